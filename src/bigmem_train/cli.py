@@ -1,0 +1,202 @@
+"""``bigmem-train``: plan, preflight, train, validate and report a 3D U-Net job.
+
+The CLI only parses flags and wires the stages together; each stage lives in its own module and
+TensorFlow is imported only by the stages that train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import __version__
+from .config import Config, load_config, parse_override
+from .errors import EXIT_BAD_INPUT, BadInput, BigmemError
+
+PROG = "bigmem-train"
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, target: bool = True) -> None:
+    parser.add_argument("--config", "-c", metavar="FILE",
+                        help="YAML job config (or a preset name: default, study); default: the built-in small job")
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                        help="override one config value, e.g. --set training.epochs=3 (repeatable)")
+    if target:
+        parser.add_argument("--target", metavar="SIZE",
+                            help="size the job to this peak memory: 64GiB, 1TB, 900GB or 80%% of the host")
+
+
+def _add_run_flags(parser: argparse.ArgumentParser) -> None:
+    _add_config_flags(parser)
+    parser.add_argument("--results", metavar="DIR", help="results folder (default: output.results_dir)")
+    parser.add_argument("--run-name", metavar="NAME",
+                        help="run directory name; rerunning an unfinished run of this name resumes it")
+    parser.add_argument("--data", metavar="DIR", help="Decathlon dataset folder (sets data.source=decathlon)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Train the study's 3D U-Net on one big-memory host: plan its memory footprint, refuse "
+        "a job that cannot fit, train, measure, validate and report. With no subcommand: `run` "
+        "of the built-in default job.",
+        epilog="Exit codes: 0 PASS, 1 the job ran but failed validation, 2 bad input, 3 does not fit this host.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = sub.add_parser("run", help="plan, preflight, train, validate and report (the default)",
+                         description="Plan, preflight, train, validate and report one job. With no config: "
+                         "synthesize a small dataset in the results folder and train the built-in default job.")
+    _add_run_flags(run)
+
+    train = sub.add_parser("train", help="plan, preflight and train, without validation or report",
+                           description="Plan, preflight and train one job; writes the run directory and metrics.json.")
+    _add_run_flags(train)
+
+    validate = sub.add_parser("validate", help="re-check a finished run from its files; exit 0 PASS, 1 FAIL",
+                              description="Re-check a finished run directory from its files alone: loss fell, "
+                              "validation Dice reached the floor, no NaN, peak memory within tolerance of the target.")
+    validate.add_argument("run_dir", metavar="RUN_DIR")
+
+    report = sub.add_parser("report", help="write an HTML report with plots for a run",
+                            description="Write RUN_DIR/report.html with PNG plots: memory over time, loss and Dice per epoch.")
+    report.add_argument("run_dir", metavar="RUN_DIR")
+
+    synth = sub.add_parser("synth", help="write a synthetic dataset in the Decathlon layout",
+                           description="Write a synthetic MSD Task01-like dataset: dataset.json, imagesTr/*.nii.gz "
+                           "(4 contrasts) and labelsTr/*.nii.gz, head-like ellipsoids with tumour blobs.")
+    synth.add_argument("--out", required=True, metavar="DIR", help="dataset folder to create")
+    synth.add_argument("--cases", type=int, default=16, metavar="N", help="number of cases (default 16)")
+    synth.add_argument("--shape", default="64,64,48", metavar="X,Y,Z", help="volume shape (default 64,64,48)")
+    synth.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
+
+    plan = sub.add_parser("plan", help="predict the job's peak memory, or size it to a target",
+                          description="Print a breakdown of the predicted peak memory of a job, and with --target "
+                          "the input shape and batch size chosen to reach it.")
+    _add_config_flags(plan)
+    plan.add_argument("--json", action="store_true", help="print JSON for scripts")
+    plan.add_argument("--calibrate", action="store_true",
+                      help="measure this machine's constants (runtime baseline, workspace) and store them")
+
+    preflight = sub.add_parser("preflight", help="read the host and check the planned job fits",
+                               description="Read the host (memory, cgroup limit, NUMA, hugepages, swap) and check "
+                               "the planned job fits with the safety margin; exit 3 when it does not.")
+    _add_config_flags(preflight)
+    preflight.add_argument("--json", action="store_true", help="print JSON for scripts")
+
+    render = sub.add_parser("render", help="render a config template from templates/ with this host's facts",
+                            description="Render one of the shared Jinja templates (the same ones Ansible uses) "
+                            "with this host's facts and optional variables.")
+    render.add_argument("template", nargs="?", default="train.yaml.j2", help="template name (default train.yaml.j2)")
+    render.add_argument("--var", dest="variables", action="append", default=[], metavar="KEY=VALUE",
+                        help="template variable (repeatable)")
+    render.add_argument("--out", metavar="FILE", help="write here instead of stdout")
+    render.add_argument("--list", action="store_true", help="list the templates")
+
+    from . import remote_cli
+
+    remote_cli.add_parser(sub)
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    overrides = dict(parse_override(text) for text in getattr(args, "overrides", []))
+    if getattr(args, "target", None):
+        overrides["footprint.target"] = args.target
+    if getattr(args, "results", None):
+        overrides["output.results_dir"] = args.results
+    if getattr(args, "run_name", None):
+        overrides["output.run_name"] = args.run_name
+    if getattr(args, "data", None):
+        overrides["data.source"] = "decathlon"
+        overrides["data.path"] = args.data
+    return overrides
+
+
+def load_job_config(args: argparse.Namespace) -> Config:
+    return load_config(args.config, _overrides(args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if not argv or argv[0].startswith("-") and argv[0] not in {"-h", "--help", "--version"}:
+        argv = ["run", *argv]
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        # argparse exits 2 on bad flags already, 0 on --help.
+        return int(exit_.code or 0)
+    try:
+        return dispatch(args)
+    except BigmemError as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return error.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    command = args.command
+    if command in {"run", "train"}:
+        from .pipeline import run_job
+
+        return run_job(load_job_config(args), validate_and_report=command == "run")
+    if command == "validate":
+        from .validate import validate_command
+
+        return validate_command(Path(args.run_dir))
+    if command == "report":
+        from .report import write_report
+
+        path = write_report(Path(args.run_dir))
+        print(f"report: {path}")
+        return 0
+    if command == "synth":
+        from .synth import write_synthetic_dataset
+
+        shape = _parse_shape(args.shape)
+        if args.cases < 1:
+            raise BadInput(f"--cases {args.cases}: need at least 1 case")
+        path = write_synthetic_dataset(Path(args.out), cases=args.cases, shape=shape, seed=args.seed)
+        print(f"synthetic dataset: {path}")
+        return 0
+    if command == "plan":
+        from .planner import plan_command
+
+        return plan_command(load_job_config(args), as_json=args.json, calibrate=args.calibrate)
+    if command == "preflight":
+        from .preflight import preflight_command
+
+        return preflight_command(load_job_config(args), as_json=args.json)
+    if command == "render":
+        from .render import render_command
+
+        return render_command(args)
+    if command == "remote":
+        from . import remote_cli
+
+        return remote_cli.dispatch(args)
+    raise BadInput(f"unknown command {command!r}")
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise BadInput(f"--shape {text!r}: expected three integers X,Y,Z") from None
+    if len(shape) != 3 or any(edge < 1 for edge in shape):
+        raise BadInput(f"--shape {text!r}: expected three positive integers X,Y,Z")
+    return shape  # type: ignore[return-value]
+
+
+def print_json(data: object) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The one typed config of a training job: data, model, training, runtime, footprint, validation, output.
+
+Field defaults are the study's job (240x240x144, batch 16, 16 base filters, 4 poolings, FLAIR); the
+built-in default run uses the small preset ``presets/default.yaml``.
+
+Loaded from YAML (or the built-in default), validated with pydantic before TensorFlow is imported or
+anything is written. Unknown keys and bad values raise :class:`~bigmem_train.errors.BadInput` with one
+line naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import BadInput
+from .sizes import parse_size
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+Shape3D = tuple[int, int, int]
+
+
+def _check_shape(value: Shape3D) -> Shape3D:
+    if any(edge < 1 for edge in value):
+        raise ValueError(f"every edge must be positive, got {list(value)}")
+    return value
+
+
+class DataConfig(_Section):
+    """Where the volumes come from and how they are prepared."""
+
+    # "synthetic": generate a Decathlon-layout dataset in the run's results folder first;
+    # "decathlon": read an existing Medical Segmentation Decathlon folder (dataset.json + NIfTI).
+    source: Literal["synthetic", "decathlon"] = "synthetic"
+    # Dataset folder (the one holding dataset.json). Required for "decathlon".
+    path: Path | None = None
+    # Synthetic data: number of cases and the full volume shape written to disk.
+    synthetic_cases: int = Field(16, ge=2, le=10000)
+    synthetic_shape: Shape3D = (64, 64, 48)
+    synthetic_seed: int = 1234
+    # Input channels by index into the 4D image (MSD Task01: 0 FLAIR, 1 T1w, 2 T1gd, 3 T2w), or "all".
+    channels: list[int] | Literal["all"] = Field(default_factory=lambda: [0])
+    # "binary": every label > 0 is tumour (the study); "multiclass": keep labels as classes.
+    label_mode: Literal["binary", "multiclass"] = "binary"
+    # Shape the volumes are cropped or padded to (the study: 240x240x144).
+    input_shape: Shape3D = (240, 240, 144)
+    # Fraction of cases held out for validation, split with this seed.
+    validation_fraction: float = Field(0.25, gt=0.0, lt=1.0)
+    split_seed: int = 42
+    # Random flips along the three axes during training.
+    augment_flips: bool = True
+    # Largest random shift of the training crop away from the centre, in voxels per axis.
+    crop_jitter: int = Field(8, ge=0)
+    # Parallel volume readers in the tf.data map ("auto" = AUTOTUNE).
+    parallel_reads: int | Literal["auto"] = 2
+    # Batches prefetched ahead of the step.
+    prefetch_batches: int = Field(1, ge=0, le=64)
+
+    _check_synthetic_shape = field_validator("synthetic_shape", "input_shape")(_check_shape)
+
+    @field_validator("channels")
+    @classmethod
+    def _check_channels(cls, value: list[int] | str) -> list[int] | str:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("at least one channel is needed")
+            if any(index < 0 for index in value) or len(set(value)) != len(value):
+                raise ValueError(f"channel indices must be distinct and >= 0, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _check_source(self) -> "DataConfig":
+        if self.source == "decathlon" and self.path is None:
+            raise ValueError("data.path is required when data.source is 'decathlon'")
+        return self
+
+
+class ModelConfig(_Section):
+    """The study's 3D U-Net."""
+
+    # Number of poolings (the study: 4).
+    depth: int = Field(4, ge=1, le=7)
+    # Filters of the first level, doubled at each pooling (the study: 16).
+    base_filters: int = Field(16, ge=1, le=1024)
+    # "transpose": Conv3DTranspose (the study); "resize": UpSampling3D then Conv3D.
+    upsampling: Literal["transpose", "resize"] = "transpose"
+    # Output classes: 1 = one sigmoid channel (tumour vs not); >1 = softmax over classes incl. background.
+    output_classes: int = Field(1, ge=1, le=64)
+    # Batch normalization after every convolution (the study: yes).
+    batch_norm: bool = True
+    # Gradient recomputation: keep only each level's input for backward and recompute the rest.
+    recompute: bool = False
+
+
+class TrainingConfig(_Section):
+    """Optimisation."""
+
+    batch_size: int = Field(16, ge=1, le=4096)
+    epochs: int = Field(30, ge=1, le=100000)
+    # Steps per epoch; null = one pass over the training cases.
+    steps_per_epoch: int | None = Field(None, ge=1)
+    # Validation steps per epoch; null = one pass over the validation cases.
+    validation_steps: int | None = Field(None, ge=1)
+    learning_rate: float = Field(1e-3, gt=0.0, le=1.0)
+    # Loss = dice_weight * -log(soft Dice) + (1 - dice_weight) * BCE (the study: 0.7).
+    dice_weight: float = Field(0.7, ge=0.0, le=1.0)
+    seed: int = 0
+    # "single": one process; "multi_worker": tf.distribute.MultiWorkerMirroredStrategy from TF_CONFIG.
+    strategy: Literal["single", "multi_worker"] = "single"
+
+
+class RuntimeConfig(_Section):
+    """How TensorFlow uses this host."""
+
+    # Threads inside one op; null = the host's physical cores (or the cores of the bound NUMA node).
+    intra_op_threads: int | None = Field(None, ge=1, le=4096)
+    # Ops run side by side; null = chosen for the host.
+    inter_op_threads: int | None = Field(None, ge=1, le=64)
+    # "float32" or Keras mixed precision "mixed_bfloat16".
+    precision: Literal["float32", "mixed_bfloat16"] = "float32"
+    # Memory allocator preloaded by the container entrypoint.
+    allocator: Literal["glibc", "jemalloc", "tcmalloc"] = "glibc"
+    # NUMA placement: "auto" binds to one node when the job fits it, else interleaves.
+    numa_policy: Literal["auto", "bind", "interleave", "none"] = "auto"
+    # XLA JIT compilation of the train step.
+    xla: bool = False
+
+
+class FootprintConfig(_Section):
+    """Memory target: size the job to it and check the measured peak against it."""
+
+    # Target peak memory: "1TiB", "900GB", "80%" of the host; null = no target.
+    target: str | None = None
+    # Allowed relative distance of the measured peak from the target.
+    tolerance: float = Field(0.10, gt=0.0, lt=1.0)
+    # Share of available memory kept free when deciding whether a plan fits.
+    safety_margin: float = Field(0.10, ge=0.0, lt=1.0)
+    # What the planner may change to reach the target.
+    resize: Literal["batch", "shape", "both"] = "both"
+
+    @field_validator("target")
+    @classmethod
+    def _check_target(cls, value: str | None) -> str | None:
+        if value is not None:
+            # Validate the syntax now; a percentage is resolved against the host later.
+            parse_size(value, host_total_bytes=1)
+        return value
+
+
+class ValidationConfig(_Section):
+    """What a passing run must show."""
+
+    # Best validation Dice must reach this floor.
+    dice_floor: float = Field(0.5, ge=0.0, le=1.0)
+    # The training loss of the last epoch must be below that of the first.
+    require_loss_decrease: bool = True
+
+
+class OutputConfig(_Section):
+    """Where results go."""
+
+    # Folder holding run directories (and the synthetic dataset of the default run).
+    results_dir: Path = Path("results")
+    # Run directory name; null = timestamped. An existing unfinished run with this name is resumed.
+    run_name: str | None = None
+    # Write TensorBoard logs.
+    tensorboard: bool = True
+    # Memory sampler period in seconds.
+    sample_interval: float = Field(0.25, gt=0.0, le=60.0)
+
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, value: str | None) -> str | None:
+        if value is not None and (not value or "/" in value or value in {".", ".."}):
+            raise ValueError(f"run_name must be a plain folder name, got {value!r}")
+        return value
+
+
+class Config(_Section):
+    """A whole training job."""
+
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    footprint: FootprintConfig = Field(default_factory=FootprintConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> "Config":
+        divisor = 2**self.model.depth
+        for name, shape in (("data.input_shape", self.data.input_shape),):
+            bad = [edge for edge in shape if edge % divisor]
+            if bad:
+                raise ValueError(
+                    f"{name} {list(shape)}: every edge must be divisible by 2**model.depth = {divisor}"
+                )
+        if self.data.label_mode == "binary" and self.model.output_classes != 1:
+            raise ValueError("model.output_classes must be 1 when data.label_mode is 'binary'")
+        if self.data.label_mode == "multiclass" and self.model.output_classes < 2:
+            raise ValueError("model.output_classes must be >= 2 when data.label_mode is 'multiclass'")
+        return self
+
+    # Derived values, computed in one place.
+    @property
+    def num_channels(self) -> int:
+        """Input channels; "all" means the four MSD Task01 contrasts unless the data says otherwise."""
+        return 4 if self.data.channels == "all" else len(self.data.channels)
+
+    @property
+    def voxels_per_sample(self) -> int:
+        x, y, z = self.data.input_shape
+        return x * y * z
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _format_error(error: ValidationError) -> str:
+    """One line naming the field: ``training.batch_size: Input should be greater than or equal to 1``."""
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key (typo?)"
+    extra = f" (and {len(error.errors()) - 1} more)" if len(error.errors()) > 1 else ""
+    return f"config {location or '<root>'}: {message}{extra}" if location else f"config: {message}{extra}"
+
+
+def config_from_dict(raw: dict[str, Any] | None, source: str = "config") -> Config:
+    """Validate a mapping into a :class:`Config`, raising :class:`BadInput` with one line."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadInput(f"{source}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as error:
+        raise BadInput(f"{source}: {_format_error(error)}") from None
+
+
+PRESETS_DIR = Path(__file__).parent / "presets"
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
+    """Load a YAML config (the built-in default preset when ``path`` is None), apply dotted overrides.
+
+    ``path`` may also name a preset: ``default`` or ``study``.
+    """
+    raw: dict[str, Any] = {}
+    source = "built-in default"
+    if path is None:
+        path = PRESETS_DIR / "default.yaml"
+    elif not Path(path).exists() and (PRESETS_DIR / f"{path}.yaml").is_file():
+        path = PRESETS_DIR / f"{path}.yaml"
+    if path is not None:
+        source = str(path)
+        file = Path(path)
+        if not file.is_file():
+            raise BadInput(f"config file {source} does not exist")
+        try:
+            raw = yaml.safe_load(file.read_text()) or {}
+        except yaml.YAMLError as error:
+            mark = getattr(error, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark else ""
+            raise BadInput(f"config file {source} is not valid YAML{where}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise BadInput(f"config file {source} cannot be read: {error}") from None
+    for dotted, value in (overrides or {}).items():
+        set_dotted(raw, dotted, value)
+    return config_from_dict(raw, source)
+
+
+def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``raw["a"]["b"] = value`` for ``dotted == "a.b"``."""
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise BadInput(f"config {dotted}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``--set training.epochs=3`` -> ("training.epochs", 3), the value parsed as YAML."""
+    if "=" not in text:
+        raise BadInput(f"--set {text!r}: expected KEY=VALUE, e.g. training.epochs=3")
+    key, value = text.split("=", 1)
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError:
+        raise BadInput(f"--set {text!r}: value is not valid YAML") from None

@@ -1,0 +1,213 @@
+"""Facts about the host this job runs on, read from /proc and /sys (no TensorFlow needed).
+
+Every reader takes a ``root`` so tests can point it at a recorded sysfs/procfs layout.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class NumaNode:
+    node_id: int
+    memory_total_bytes: int
+    memory_free_bytes: int
+    cpus: list[int]
+    hugepages_2m: int = 0
+    hugepages_1g: int = 0
+
+
+@dataclass
+class HostFacts:
+    hostname: str
+    memory_total_bytes: int
+    memory_available_bytes: int
+    swap_total_bytes: int
+    cgroup_limit_bytes: int | None
+    cgroup_version: int | None
+    logical_cpus: int
+    physical_cores: int
+    usable_cpus: list[int]
+    numa_nodes: list[NumaNode] = field(default_factory=list)
+    thp_enabled: str = "unknown"
+    thp_defrag: str = "unknown"
+    hugepages_total: int = 0
+    hugepage_size_bytes: int = 0
+    cpu_flags: list[str] = field(default_factory=list)
+    kernel_cmdline: str = ""
+
+    @property
+    def effective_memory_bytes(self) -> int:
+        """Memory this process may use: the smaller of available memory and the cgroup limit."""
+        limits = [self.memory_available_bytes]
+        if self.cgroup_limit_bytes:
+            limits.append(self.cgroup_limit_bytes)
+        return min(limits)
+
+    @property
+    def limit_total_bytes(self) -> int:
+        """Total memory this process may see: physical total, capped by the cgroup limit ("80%" refers to this)."""
+        if self.cgroup_limit_bytes:
+            return min(self.memory_total_bytes, self.cgroup_limit_bytes)
+        return self.memory_total_bytes
+
+    @property
+    def static_hugepages_bytes(self) -> int:
+        return self.hugepages_total * self.hugepage_size_bytes
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["effective_memory_bytes"] = self.effective_memory_bytes
+        data["static_hugepages_bytes"] = self.static_hugepages_bytes
+        return data
+
+
+def _read(path: Path, default: str = "") -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return default
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """/proc/meminfo (or a node's meminfo) -> {key: bytes} (HugePages_* stay counts)."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        match = re.match(r"^(?:Node \d+ )?([A-Za-z_()0-9]+):\s+(\d+)(?:\s+kB)?", line)
+        if match:
+            key, number = match.group(1), int(match.group(2))
+            values[key] = number * 1024 if line.rstrip().endswith("kB") else number
+    return values
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """``0-3,8,10-11`` -> [0, 1, 2, 3, 8, 10, 11]."""
+    cpus: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        if "-" in part:
+            low, high = part.split("-")
+            cpus.extend(range(int(low), int(high) + 1))
+        else:
+            cpus.append(int(part))
+    return cpus
+
+
+def _bracketed(text: str) -> str:
+    match = re.search(r"\[(\w+)\]", text)
+    return match.group(1) if match else (text.strip() or "unknown")
+
+
+def read_cgroup_limit(root: Path = Path("/")) -> tuple[int | None, int | None]:
+    """Memory limit of this process's cgroup (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``)."""
+    cgroup_file = _read(root / "proc/self/cgroup")
+    v2_path, v1_path = None, None
+    for line in cgroup_file.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            v2_path = parts[2]
+        elif "memory" in parts[1].split(","):
+            v1_path = parts[2]
+    base = root / "sys/fs/cgroup"
+    if v2_path is not None or (base / "memory.max").exists():
+        for candidate in ([base / v2_path.lstrip("/")] if v2_path else []) + [base]:
+            text = _read(candidate / "memory.max").strip()
+            if text:
+                return (None if text == "max" else int(text)), 2
+    for candidate in ([base / "memory" / v1_path.lstrip("/")] if v1_path else []) + [base / "memory"]:
+        text = _read(candidate / "memory.limit_in_bytes").strip()
+        if text:
+            limit = int(text)
+            # v1 reports "no limit" as a huge page-aligned number.
+            return (None if limit >= 2**60 else limit), 1
+    return None, None
+
+
+def read_numa_nodes(root: Path = Path("/")) -> list[NumaNode]:
+    nodes_dir = root / "sys/devices/system/node"
+    nodes = []
+    for node_dir in sorted(nodes_dir.glob("node[0-9]*"), key=lambda p: int(p.name[4:])):
+        meminfo = parse_meminfo(_read(node_dir / "meminfo"))
+        hugepages = {}
+        for size_kb in (2048, 1048576):
+            hugepages[size_kb] = int(
+                _read(node_dir / f"hugepages/hugepages-{size_kb}kB/nr_hugepages", "0").strip() or 0
+            )
+        nodes.append(
+            NumaNode(
+                node_id=int(node_dir.name[4:]),
+                memory_total_bytes=meminfo.get("MemTotal", 0),
+                memory_free_bytes=meminfo.get("MemFree", 0),
+                cpus=parse_cpu_list(_read(node_dir / "cpulist")),
+                hugepages_2m=hugepages[2048],
+                hugepages_1g=hugepages[1048576],
+            )
+        )
+    return nodes
+
+
+def count_physical_cores(root: Path = Path("/"), cpus: list[int] | None = None) -> int:
+    """Distinct (package, core) pairs among ``cpus`` (all online CPUs by default)."""
+    cpu_root = root / "sys/devices/system/cpu"
+    if cpus is None:
+        cpus = parse_cpu_list(_read(cpu_root / "online")) or list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        topology = cpu_root / f"cpu{cpu}/topology"
+        package = _read(topology / "physical_package_id", "0").strip()
+        core = _read(topology / "core_id", str(cpu)).strip()
+        cores.add((package, core))
+    return max(1, len(cores))
+
+
+def read_cpu_flags(root: Path = Path("/")) -> list[str]:
+    for line in _read(root / "proc/cpuinfo").splitlines():
+        if line.startswith("flags"):
+            return sorted(line.split(":", 1)[1].split())
+    return []
+
+
+def read_host_facts(root: Path = Path("/")) -> HostFacts:
+    """Read everything the planner and preflight need about this host."""
+    meminfo = parse_meminfo(_read(root / "proc/meminfo"))
+    limit, version = read_cgroup_limit(root)
+    if root == Path("/") and hasattr(os, "sched_getaffinity"):
+        usable = sorted(os.sched_getaffinity(0))
+    else:
+        usable = parse_cpu_list(_read(root / "sys/devices/system/cpu/online"))
+    hostname = _read(root / "proc/sys/kernel/hostname").strip() or os.uname().nodename
+    return HostFacts(
+        hostname=hostname,
+        memory_total_bytes=meminfo.get("MemTotal", 0),
+        memory_available_bytes=meminfo.get("MemAvailable", meminfo.get("MemFree", 0)),
+        swap_total_bytes=meminfo.get("SwapTotal", 0),
+        cgroup_limit_bytes=limit,
+        cgroup_version=version,
+        logical_cpus=len(usable) or (os.cpu_count() or 1),
+        physical_cores=count_physical_cores(root, usable or None),
+        usable_cpus=usable,
+        numa_nodes=read_numa_nodes(root),
+        thp_enabled=_bracketed(_read(root / "sys/kernel/mm/transparent_hugepage/enabled")),
+        thp_defrag=_bracketed(_read(root / "sys/kernel/mm/transparent_hugepage/defrag")),
+        hugepages_total=meminfo.get("HugePages_Total", 0),
+        hugepage_size_bytes=meminfo.get("Hugepagesize", 0),
+        cpu_flags=read_cpu_flags(root),
+        kernel_cmdline=_read(root / "proc/cmdline").strip(),
+    )
+
+
+def onednn_enabled() -> bool:
+    """Whether TensorFlow will use oneDNN: on by default on x86 Linux since TF 2.9, off with TF_ENABLE_ONEDNN_OPTS=0."""
+    flag = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
+    if flag is not None:
+        return flag.strip().lower() in {"1", "true", "yes", "on"}
+    import platform
+
+    return platform.system() == "Linux" and platform.machine() in {"x86_64", "AMD64"}

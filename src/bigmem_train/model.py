@@ -1,0 +1,107 @@
+"""The study's 3D U-Net (Ojika et al. 2020, after Cicek et al. 2016), its loss and Dice metrics.
+
+Per level: (Conv3D 3x3x3 -> BatchNorm -> ReLU) x 2; MaxPool3D 2x2x2 down; Conv3DTranspose 2x2x2
+stride 2 up, concatenated with the skip; a 1x1x1 Conv3D with sigmoid (one class) or softmax out.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import layers, ops
+
+from .config import Config, ModelConfig
+
+
+def _conv_block(x, filters: int, batch_norm: bool, name: str):
+    for index in (1, 2):
+        x = layers.Conv3D(filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}")(x)
+        if batch_norm:
+            x = layers.BatchNormalization(name=f"{name}_bn{index}")(x)
+        x = layers.Activation("relu", name=f"{name}_relu{index}")(x)
+    return x
+
+
+def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], channels: int) -> keras.Model:
+    """Build the 3D U-Net for volumes of ``input_shape`` (X, Y, Z) with ``channels`` channels last."""
+    inputs = keras.Input(shape=(*input_shape, channels), name="volume")
+    x = inputs
+    skips = []
+    for level in range(model_config.depth):
+        x = _conv_block(x, model_config.base_filters * 2**level, model_config.batch_norm, f"down{level}")
+        skips.append(x)
+        x = layers.MaxPooling3D(2, name=f"pool{level}")(x)
+    x = _conv_block(x, model_config.base_filters * 2**model_config.depth, model_config.batch_norm, "bottom")
+    for level in reversed(range(model_config.depth)):
+        filters = model_config.base_filters * 2**level
+        if model_config.upsampling == "transpose":
+            x = layers.Conv3DTranspose(filters, 2, strides=2, padding="same", name=f"up{level}_transpose")(x)
+        else:
+            x = layers.UpSampling3D(2, name=f"up{level}_resize")(x)
+        x = layers.Concatenate(axis=-1, name=f"up{level}_concat")([x, skips[level]])
+        x = _conv_block(x, filters, model_config.batch_norm, f"up{level}")
+    activation = "sigmoid" if model_config.output_classes == 1 else "softmax"
+    # The output stays float32 under mixed precision so the loss is computed in full precision.
+    outputs = layers.Conv3D(
+        model_config.output_classes, 1, activation=activation, dtype="float32", name="segmentation"
+    )(x)
+    return keras.Model(inputs, outputs, name="unet3d")
+
+
+def _one_hot_if_needed(y_true, y_pred):
+    classes = y_pred.shape[-1]
+    if classes > 1 and y_true.shape[-1] == 1:
+        y_true = ops.one_hot(ops.cast(ops.squeeze(y_true, -1), "int32"), classes)
+    return ops.cast(y_true, y_pred.dtype)
+
+
+def soft_dice(y_true, y_pred, smooth: float = 1.0):
+    """Soft Dice over the batch, averaged over foreground classes (class 0 is background when softmax)."""
+    y_true = _one_hot_if_needed(y_true, y_pred)
+    if y_pred.shape[-1] > 1:
+        y_true, y_pred = y_true[..., 1:], y_pred[..., 1:]
+    axes = tuple(range(len(y_pred.shape) - 1))
+    intersection = ops.sum(y_true * y_pred, axis=axes)
+    total = ops.sum(y_true, axis=axes) + ops.sum(y_pred, axis=axes)
+    return ops.mean((2.0 * intersection + smooth) / (total + smooth))
+
+
+def make_loss(dice_weight: float = 0.7):
+    """The study's loss: dice_weight * -log(soft Dice) + (1 - dice_weight) * cross-entropy."""
+
+    def dice_bce_loss(y_true, y_pred):
+        y_true_prepared = _one_hot_if_needed(y_true, y_pred)
+        epsilon = 1e-7
+        clipped = ops.clip(y_pred, epsilon, 1.0 - epsilon)
+        if y_pred.shape[-1] == 1:
+            cross_entropy = -ops.mean(
+                y_true_prepared * ops.log(clipped) + (1.0 - y_true_prepared) * ops.log(1.0 - clipped)
+            )
+        else:
+            cross_entropy = -ops.mean(ops.sum(y_true_prepared * ops.log(clipped), axis=-1))
+        return dice_weight * -ops.log(soft_dice(y_true, y_pred)) + (1.0 - dice_weight) * cross_entropy
+
+    return dice_bce_loss
+
+
+def hard_dice(y_true, y_pred):
+    """Dice of the thresholded (sigmoid > 0.5) or arg-maxed (softmax) prediction."""
+    if y_pred.shape[-1] == 1:
+        prediction = ops.cast(y_pred > 0.5, y_pred.dtype)
+    else:
+        prediction = ops.one_hot(ops.argmax(y_pred, axis=-1), y_pred.shape[-1])
+    return soft_dice(y_true, prediction, smooth=1e-6)
+
+
+def compile_model(config: Config) -> keras.Model:
+    """Build and compile the configured U-Net (Adam, the study's loss, soft and hard Dice)."""
+    if config.runtime.precision != "float32":
+        keras.mixed_precision.set_global_policy(config.runtime.precision)
+    model = build_unet(config.model, config.data.input_shape, config.num_channels)
+    model.compile(
+        optimizer=keras.optimizers.Adam(config.training.learning_rate),
+        loss=make_loss(config.training.dice_weight),
+        metrics=[keras.metrics.MeanMetricWrapper(soft_dice, name="dice"),
+                 keras.metrics.MeanMetricWrapper(hard_dice, name="hard_dice")],
+        jit_compile=config.runtime.xla,
+    )
+    return model
