@@ -1,0 +1,143 @@
+"""One job end to end: config -> host -> plan -> preflight -> data -> train -> validate -> report.
+
+Every stage writes into the run directory; nothing is written before the config, the plan and the
+data have been checked, so bad input (exit 2) and a job that cannot fit (exit 3) leave no run behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+from .config import Config
+from .errors import EXIT_FAIL, EXIT_PASS, BadInput
+from .host import read_host_facts
+from .rundir import FAILED, FINISHED, ensure_writable, prepare_run_dir, set_state, write_json
+from .sizes import format_bytes
+
+# Set in the environment of a process this module re-executed, so it is done once only.
+LAUNCHED_ENV = "BIGMEM_TRAIN_LAUNCHED"
+
+ALLOCATOR_LIBRARIES = {
+    "jemalloc": ["/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"],
+    "tcmalloc": [
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc.so.4",
+        "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
+    ],
+}
+
+
+def allocator_library(allocator: str) -> str | None:
+    """Path of the allocator's shared library, or None for glibc; BadInput if it is not installed."""
+    if allocator == "glibc":
+        return None
+    for candidate in ALLOCATOR_LIBRARIES[allocator]:
+        if Path(candidate).exists():
+            return candidate
+    raise BadInput(f"runtime.allocator {allocator}: library not found (install libjemalloc2 / libtcmalloc-minimal4)")
+
+
+def launch_command(config: Config, numactl_args: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    """The command and environment to re-execute under, or None when this process is already right.
+
+    The allocator must be preloaded and the NUMA policy set before TensorFlow allocates anything, so
+    the CLI re-executes itself once with LD_PRELOAD and under numactl.
+    """
+    if os.environ.get(LAUNCHED_ENV):
+        return None
+    environment = dict(os.environ)
+    library = allocator_library(config.runtime.allocator)
+    changed = False
+    if library and library not in environment.get("LD_PRELOAD", ""):
+        environment["LD_PRELOAD"] = ":".join(filter(None, [library, environment.get("LD_PRELOAD")]))
+        changed = True
+    prefix: list[str] = []
+    if numactl_args and shutil.which(numactl_args[0]):
+        prefix = numactl_args
+        changed = True
+    if not changed:
+        return None
+    environment[LAUNCHED_ENV] = "1"
+    return [*prefix, sys.executable, "-m", "bigmem_train.cli", *sys.argv[1:]], environment
+
+
+def _synthetic_dataset(config: Config) -> Path:
+    from .synth import write_synthetic_dataset
+
+    data = config.data
+    shape = "x".join(str(edge) for edge in data.synthetic_shape)
+    folder = Path(config.output.results_dir) / f"synthetic-{data.synthetic_cases}cases-{shape}-seed{data.synthetic_seed}"
+    print(f"bigmem-train: synthetic dataset {folder}", flush=True)
+    return write_synthetic_dataset(folder, cases=data.synthetic_cases, shape=data.synthetic_shape,
+                                   seed=data.synthetic_seed)
+
+
+def run_job(config: Config, validate_and_report: bool = True) -> int:
+    """Run one job; returns the exit code (0 PASS, 1 FAIL). Raises BadInput / DoesNotFit early."""
+    from .planner import plan_job
+    from .preflight import check_fits
+
+    host = read_host_facts()
+    if config.data.source == "decathlon":
+        # Cheap checks on the dataset folder before planning; the full integrity check follows.
+        if not Path(config.data.path).is_dir():
+            raise BadInput(f"dataset folder {config.data.path} does not exist")
+        if not (Path(config.data.path) / "dataset.json").is_file():
+            raise BadInput(f"dataset folder {config.data.path} has no dataset.json (expected the Decathlon layout)")
+    ensure_writable(Path(config.output.results_dir))
+
+    plan = plan_job(config, host)
+    check_fits(plan, host)
+    config = plan.config
+    plan_dict = plan.to_dict()
+    print(f"bigmem-train: planned peak {format_bytes(plan.peak_bytes)}"
+          + (f", target {format_bytes(plan.target_bytes)}" if plan.target_bytes else "")
+          + f", NUMA {plan.placement.policy}", flush=True)
+
+    relaunch = launch_command(config, plan.placement.numactl_args() if len(host.numa_nodes) > 1 else [])
+    if relaunch is not None:
+        command, environment = relaunch
+        numactl = " ".join(command[: command.index(sys.executable)]) or "no numactl"
+        print(f"bigmem-train: relaunching with LD_PRELOAD={environment.get('LD_PRELOAD', '') or '-'}, {numactl}",
+              flush=True)
+        os.execvpe(command[0], command, environment)
+
+    from .data import check_dataset, split_cases
+
+    if config.data.source == "synthetic":
+        config = config.model_copy(update={"data": config.data.model_copy(update={"path": _synthetic_dataset(config)})})
+    cases = check_dataset(config)
+    train_cases, validation_cases = split_cases(cases, config.data.validation_fraction, config.data.split_seed)
+
+    run_dir, resuming = prepare_run_dir(config)
+    print(f"bigmem-train: run directory {run_dir}", flush=True)
+    write_json(run_dir / "host.json", host.to_dict())
+    write_json(run_dir / "plan.json", plan_dict)
+    write_json(run_dir / "split.json", {"train": [case.name for case in train_cases],
+                                        "validation": [case.name for case in validation_cases]})
+    try:
+        from .train import train
+
+        train(config, run_dir, (train_cases, validation_cases), plan_dict, host, resuming)
+    except BaseException as error:
+        # A killed or failed run stays resumable and never looks finished.
+        set_state(run_dir, FAILED, error=f"{type(error).__name__}: {error}"[:2000])
+        if not isinstance(error, (KeyboardInterrupt, SystemExit)):
+            traceback.print_exc()
+        raise
+    set_state(run_dir, FINISHED)
+    if not validate_and_report:
+        print(f"TRAINED {run_dir}")
+        return EXIT_PASS
+    from .report import write_report
+    from .validate import print_verdict, validate_run
+
+    verdict = validate_run(run_dir)
+    report = write_report(run_dir)
+    print(f"bigmem-train: report {report}")
+    print_verdict(verdict)
+    return EXIT_PASS if verdict.passed else EXIT_FAIL

@@ -1,0 +1,140 @@
+"""A report a person can open: report.html with PNG plots (memory over time, loss and Dice per epoch)."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from .errors import BadInput
+from .monitor import read_memory_csv
+from .sizes import GIB, format_bytes
+
+
+def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    memory = read_memory_csv(run_dir / "memory.csv")
+    if not memory:
+        return None
+    start = memory[0]["time_unix"]
+    times = [row["time_unix"] - start for row in memory]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    axis.plot(times, [row["rss_bytes"] / GIB for row in memory], label="resident (RSS)")
+    axis.plot(times, [row.get("anon_hugepages_bytes", 0) / GIB for row in memory], label="of which THP", alpha=0.7)
+    for key in memory[0]:
+        if key.startswith("node") and key.endswith("_bytes"):
+            axis.plot(times, [row.get(key, 0) / GIB for row in memory], label=key[:-6], linestyle=":")
+    if metrics.get("planned_peak_bytes"):
+        axis.axhline(metrics["planned_peak_bytes"] / GIB, color="tab:red", linestyle="--", label="planned peak")
+    if metrics.get("target_bytes"):
+        axis.axhline(metrics["target_bytes"] / GIB, color="black", linestyle="-.", label="target")
+    axis.set_xlabel("seconds since start")
+    axis.set_ylabel("GiB")
+    axis.set_title("Memory over time")
+    axis.legend(loc="lower right")
+    axis.grid(alpha=0.3)
+    path = run_dir / "memory.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _plot_training(run_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .train import read_history
+
+    history = read_history(run_dir / "history.csv")
+    if not history:
+        return None
+    epochs = [int(row.get("epoch", index)) + 1 for index, row in enumerate(history)]
+    figure, (loss_axis, dice_axis) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, axis in (("loss", loss_axis), ("val_loss", loss_axis), ("dice", dice_axis),
+                      ("val_dice", dice_axis), ("val_hard_dice", dice_axis)):
+        if key in history[0]:
+            axis.plot(epochs, [row.get(key) for row in history], marker="o", label=key)
+    loss_axis.set_title("Loss per epoch")
+    dice_axis.set_title("Dice per epoch")
+    dice_axis.set_ylim(0, 1)
+    for axis in (loss_axis, dice_axis):
+        axis.set_xlabel("epoch")
+        axis.legend()
+        axis.grid(alpha=0.3)
+    path = run_dir / "training.png"
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _load(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write RUN_DIR/report.html (and memory.png, training.png); returns the HTML path."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise BadInput(f"{run_dir} is not a bigmem-train run directory (no config.yaml)")
+    metrics = _load(run_dir / "metrics.json")
+    verdict = _load(run_dir / "verdict.json")
+    plan = _load(run_dir / "plan.json")
+    host = _load(run_dir / "host.json")
+    images = [path for path in (_plot_memory(run_dir, metrics), _plot_training(run_dir)) if path]
+
+    def size(value):
+        return format_bytes(value) if isinstance(value, (int, float)) and value else "-"
+
+    rows = [
+        ("Verdict", verdict.get("verdict", "not validated")),
+        ("Input shape x batch", f"{metrics.get('input_shape')} x {metrics.get('batch_size')}"),
+        ("Peak resident memory", size(metrics.get("peak_rss_bytes"))),
+        ("Planned peak", size(metrics.get("planned_peak_bytes"))),
+        ("Target", size(metrics.get("target_bytes"))),
+        ("Median step time", f"{metrics.get('median_step_seconds')} s"),
+        ("Voxels per second", metrics.get("voxels_per_second")),
+        ("Loss (first -> last epoch)", f"{metrics.get('initial_loss')} -> {metrics.get('final_loss')}"),
+        ("Best validation Dice (soft / hard)", f"{metrics.get('best_val_dice')} / {metrics.get('best_val_hard_dice')}"),
+        ("Transparent huge pages at peak", size(metrics.get("peak_anon_hugepages_bytes"))),
+        ("NUMA policy", metrics.get("numa_policy")),
+        ("Threads (intra / inter)", f"{metrics.get('intra_op_threads')} / {metrics.get('inter_op_threads')}"),
+        ("TensorFlow / oneDNN", f"{metrics.get('tensorflow_version')} / "
+                                f"{'on' if metrics.get('onednn_enabled') else 'off'}"),
+        ("Intel-optimized (oneDNN on)", metrics.get("intel_optimized")),
+        ("Host", f"{host.get('hostname', '?')}: {size(host.get('memory_total_bytes'))} total, "
+                 f"{host.get('physical_cores', '?')} cores, {len(host.get('numa_nodes', []))} NUMA nodes"),
+    ]
+    table = "\n".join(f"<tr><th>{html.escape(str(key))}</th><td>{html.escape(str(value))}</td></tr>"
+                      for key, value in rows)
+    criteria = "\n".join(
+        f"<li class={'ok' if item['passed'] else 'fail'}>{'&#10003;' if item['passed'] else '&#10007;'} "
+        f"<b>{html.escape(item['name'])}</b>: {html.escape(item['detail'])}</li>"
+        for item in verdict.get("criteria", []))
+    breakdown = "\n".join(f"<tr><th>{html.escape(key)}</th><td>{html.escape(size(value))}</td></tr>"
+                          for key, value in (plan.get("breakdown") or {}).items())
+    figures = "\n".join(f'<img src="{path.name}" alt="{path.stem}">' for path in images)
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>bigmem-train run {html.escape(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}th{{text-align:left;padding-right:2em}}
+.ok{{color:#176017}}.fail{{color:#a11}}img{{max-width:100%;margin:1em 0}}</style></head>
+<body><h1>bigmem-train run <code>{html.escape(run_dir.name)}</code>: {html.escape(verdict.get('verdict', 'not validated'))}</h1>
+<h2>Criteria</h2><ul>{criteria or '<li>not validated yet: run bigmem-train validate</li>'}</ul>
+<h2>Key figures</h2><table>{table}</table>
+<h2>Planned memory</h2><table>{breakdown or '<tr><td>no plan recorded</td></tr>'}</table>
+<h2>Plots</h2>{figures}
+</body></html>
+"""
+    path = run_dir / "report.html"
+    path.write_text(page)
+    return path

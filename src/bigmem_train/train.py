@@ -1,0 +1,249 @@
+"""Training: threads, callbacks, ``model.fit``, and the figures of one run (metrics.json).
+
+Keras does the work: ``model.fit`` with BackupAndRestore (a killed run resumes at its last finished
+epoch), ModelCheckpoint (last and best), CSVLogger, TensorBoard and a progress bar. A sampler thread
+records memory beside it.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .host import HostFacts, onednn_enabled
+from .monitor import MemorySampler, read_memory_csv
+from .rundir import write_json
+
+
+def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = None) -> tuple[int, int]:
+    """Intra-op threads: configured, else the physical cores we may run on; inter-op: configured, else 1.
+
+    One inter-op thread keeps every core on the convolution at hand: the U-Net is a chain of large
+    ops with little to overlap, and two ops side by side would split the cores and the caches.
+    """
+    intra = config.runtime.intra_op_threads
+    if intra is None:
+        if cpus:
+            share = len(cpus) / max(1, host.logical_cpus)
+            intra = max(1, round(host.physical_cores * share))
+        else:
+            intra = host.physical_cores
+    inter = config.runtime.inter_op_threads or 1
+    return intra, inter
+
+
+def tensorflow_build_info() -> dict[str, Any]:
+    import tensorflow as tf
+
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        onednn_built = bool(_pywrap_util_port.IsMklEnabled())
+    except (ImportError, AttributeError):
+        onednn_built = None
+    enabled = onednn_enabled()
+    return {
+        "tensorflow_version": tf.__version__,
+        "keras_version": __import__("keras").__version__,
+        "onednn_built": onednn_built,
+        "onednn_enabled": enabled,
+        # The study's label: only when oneDNN really is in the build and switched on.
+        "intel_optimized": bool(enabled and onednn_built is not False),
+    }
+
+
+class StepTimer:
+    """Keras callback factory: per-step wall times appended to steps.csv, progress to progress.json."""
+
+    @staticmethod
+    def create(path: Path, progress_path: Path, steps_per_epoch: int):
+        import keras
+
+        class _StepTimer(keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.durations: list[float] = []
+                self.epoch = 0
+                self._start = 0.0
+                new_file = not path.exists()
+                self._handle = open(path, "a", newline="")
+                self._writer = csv.writer(self._handle)
+                if new_file:
+                    self._writer.writerow(["epoch", "step", "seconds", "time_unix"])
+
+            def on_epoch_begin(self, epoch, logs=None):
+                self.epoch = epoch
+
+            def on_train_batch_begin(self, batch, logs=None):
+                self._start = time.perf_counter()
+
+            def on_train_batch_end(self, batch, logs=None):
+                seconds = time.perf_counter() - self._start
+                self.durations.append(seconds)
+                self._writer.writerow([self.epoch, batch, f"{seconds:.4f}", f"{time.time():.3f}"])
+                self._handle.flush()
+                write_json(progress_path, {"epoch": self.epoch, "step": batch + 1,
+                                           "steps_per_epoch": steps_per_epoch, "time_unix": time.time()})
+
+            def on_train_end(self, logs=None):
+                self._handle.close()
+
+        return _StepTimer()
+
+
+def read_history(path: Path) -> list[dict[str, float]]:
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            parsed = {}
+            for key, value in row.items():
+                try:
+                    parsed[key] = float(value)
+                except (TypeError, ValueError):
+                    continue
+            rows.append(parsed)
+    return rows
+
+
+def read_step_seconds(path: Path) -> list[float]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as handle:
+        return [float(row["seconds"]) for row in csv.DictReader(handle)]
+
+
+def compute_metrics(run_dir: Path, config: Config, plan: dict[str, Any] | None,
+                    session_peak_bytes: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Figures of a run from its files (history, steps, memory), so a rerun of a stage agrees."""
+    history = read_history(run_dir / "history.csv")
+    steps = read_step_seconds(run_dir / "steps.csv")
+    memory = read_memory_csv(run_dir / "memory.csv")
+    # The first step of each session compiles the graph: leave it out of the median when there is more.
+    timed = steps[1:] if len(steps) > 2 else steps
+    median_step = statistics.median(timed) if timed else None
+    sampled_peak = int(max((row.get("rss_bytes", 0) for row in memory), default=0))
+    peak = max(sampled_peak, session_peak_bytes)
+    voxels_per_step = config.voxels_per_sample * config.training.batch_size
+    losses = [row.get("loss") for row in history if "loss" in row]
+    val_dice = [row["val_dice"] for row in history if "val_dice" in row and not math.isnan(row["val_dice"])]
+    val_hard = [row["val_hard_dice"] for row in history if "val_hard_dice" in row]
+    node_peaks = {}
+    for key in (memory[0].keys() if memory else []):
+        if key.startswith("node") and key.endswith("_bytes"):
+            node_peaks[key[: -len("_bytes")]] = int(max(row.get(key, 0) for row in memory))
+    huge_peak = int(max((row.get("anon_hugepages_bytes", 0) for row in memory), default=0))
+    metrics: dict[str, Any] = {
+        "peak_rss_bytes": peak,
+        "peak_rss_gib": round(peak / 1024**3, 3),
+        "peak_anon_hugepages_bytes": huge_peak,
+        "hugepage_share_at_peak": round(huge_peak / peak, 3) if peak else 0.0,
+        "peak_numa_node_bytes": node_peaks,
+        "planned_peak_bytes": (plan or {}).get("peak_bytes"),
+        "target_bytes": (plan or {}).get("target_bytes"),
+        "median_step_seconds": round(median_step, 4) if median_step else None,
+        "steps": len(steps),
+        "voxels_per_step": voxels_per_step,
+        "voxels_per_second": round(voxels_per_step / median_step, 1) if median_step else None,
+        "epochs_completed": len(history),
+        "initial_loss": losses[0] if losses else None,
+        "final_loss": losses[-1] if losses else None,
+        "best_val_dice": max(val_dice) if val_dice else None,
+        "best_val_hard_dice": max(val_hard) if val_hard else None,
+        "input_shape": list(config.data.input_shape),
+        "batch_size": config.training.batch_size,
+        "precision": config.runtime.precision,
+    }
+    if plan and plan.get("peak_bytes") and peak:
+        metrics["planned_vs_measured_error"] = round((plan["peak_bytes"] - peak) / peak, 4)
+    metrics.update(extra or {})
+    return metrics
+
+
+def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[str, Any] | None,
+          host: HostFacts, resuming: bool = False) -> dict[str, Any]:
+    """Train the configured U-Net; write history, steps, memory, checkpoints and metrics.json."""
+    placement_cpus = ((plan or {}).get("placement") or {}).get("cpus") or None
+    intra, inter = choose_threads(config, host, placement_cpus)
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(intra)
+    tf.config.threading.set_inter_op_parallelism_threads(inter)
+    import keras
+
+    from .data import make_datasets
+    from .model import compile_model
+
+    keras.utils.set_random_seed(config.training.seed)
+    strategy = tf.distribute.get_strategy()
+    is_chief = True
+    if config.training.strategy == "multi_worker":
+        from . import distribute
+
+        strategy = distribute.make_strategy(config)
+        is_chief = distribute.is_chief()
+
+    train_cases, validation_cases = cases
+    datasets = make_datasets(config, train_cases, validation_cases)
+    with strategy.scope():
+        model = compile_model(config)
+
+    checkpoints = run_dir / "checkpoints"
+    checkpoints.mkdir(exist_ok=True)
+    progress_bar = 1 if sys.stdout.isatty() else 2
+    step_timer = StepTimer.create(run_dir / "steps.csv", run_dir / "progress.json", datasets.train_steps)
+    callbacks = [
+        keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True),
+        step_timer,
+        keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True),
+        keras.callbacks.ModelCheckpoint(str(checkpoints / "last.keras")),
+        keras.callbacks.ModelCheckpoint(str(checkpoints / "best.keras"), monitor="val_dice", mode="max",
+                                        save_best_only=True),
+    ]
+    if config.output.tensorboard:
+        callbacks.append(keras.callbacks.TensorBoard(str(run_dir / "tensorboard"), update_freq="epoch"))
+
+    build = tensorflow_build_info()
+    numa_nodes = [node.node_id for node in host.numa_nodes]
+    print(f"bigmem-train: training {config.data.input_shape} x batch {config.training.batch_size}, "
+          f"{datasets.train_steps} steps/epoch, {config.training.epochs} epochs, threads {intra}/{inter}, "
+          f"oneDNN {'on' if build['onednn_enabled'] else 'off'}"
+          + (" (resuming from backup)" if resuming else ""), flush=True)
+    started = time.time()
+    with MemorySampler(run_dir / "memory.csv", config.output.sample_interval, numa_nodes) as sampler:
+        model.fit(
+            datasets.train,
+            epochs=config.training.epochs,
+            steps_per_epoch=datasets.train_steps,
+            validation_data=datasets.validation,
+            validation_steps=datasets.validation_steps,
+            callbacks=callbacks,
+            verbose=progress_bar if is_chief else 0,
+        )
+    session_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    extra = {
+        **build,
+        "intra_op_threads": intra,
+        "inter_op_threads": inter,
+        "train_seconds_this_session": round(time.time() - started, 1),
+        "memory_samples_this_session": sampler.samples,
+        "train_cases": len(train_cases),
+        "validation_cases": len(validation_cases),
+        "allocator": config.runtime.allocator,
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "numa_policy": ((plan or {}).get("placement") or {}).get("policy", "none"),
+        "strategy": config.training.strategy,
+        "resumed": resuming,
+    }
+    metrics = compute_metrics(run_dir, config, plan, session_peak, extra)
+    write_json(run_dir / "metrics.json", metrics)
+    return metrics

@@ -1,0 +1,118 @@
+"""The verdict of a run, from its files alone: finished, no NaN, loss fell, Dice reached the floor,
+peak memory within tolerance of the target (when one is set)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .config import load_config
+from .errors import EXIT_FAIL, EXIT_PASS, BadInput
+from .monitor import read_memory_csv
+from .rundir import FINISHED, read_json, read_state, write_json
+from .sizes import format_bytes
+
+
+@dataclass
+class Criterion:
+    name: str
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Verdict:
+    verdict: str
+    criteria: list[Criterion] = field(default_factory=list)
+    run_dir: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.verdict == "PASS"
+
+    @property
+    def failed(self) -> list[Criterion]:
+        return [criterion for criterion in self.criteria if not criterion.passed]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _history(run_dir: Path) -> list[dict[str, float]]:
+    from .train import read_history
+
+    return read_history(run_dir / "history.csv")
+
+
+def evaluate(run_dir: Path) -> Verdict:
+    """Check a run directory and return its verdict (does not write anything)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise BadInput(f"run directory {run_dir} does not exist")
+    if not (run_dir / "config.yaml").exists():
+        raise BadInput(f"{run_dir} is not a bigmem-train run directory (no config.yaml)")
+    config = load_config(run_dir / "config.yaml")
+    state = read_state(run_dir).get("state", "unknown")
+    history = _history(run_dir)
+    metrics = read_json(run_dir / "metrics.json") if (run_dir / "metrics.json").exists() else {}
+    criteria: list[Criterion] = []
+
+    criteria.append(Criterion("finished", state == FINISHED and config.training.epochs <= len(history),
+                              f"state {state}, {len(history)} of {config.training.epochs} epochs in history.csv"))
+
+    values = [value for row in history for key, value in row.items() if key != "epoch"]
+    nan_count = sum(1 for value in values if not math.isfinite(value))
+    criteria.append(Criterion("no_nan", bool(history) and nan_count == 0,
+                              f"{nan_count} non-finite values in history.csv" if history else "history.csv is empty"))
+
+    losses = [row["loss"] for row in history if "loss" in row]
+    if config.validation.require_loss_decrease:
+        fell = len(losses) >= 2 and losses[-1] < losses[0]
+        detail = (f"training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no training loss recorded")
+        criteria.append(Criterion("loss_fell", fell, detail))
+
+    dice = [row["val_dice"] for row in history if "val_dice" in row and math.isfinite(row["val_dice"])]
+    best = max(dice) if dice else None
+    floor = config.validation.dice_floor
+    criteria.append(Criterion(
+        "dice_floor", best is not None and best >= floor,
+        f"best validation Dice {best:.4f} vs floor {floor}" if best is not None else "no validation Dice recorded"))
+
+    target = metrics.get("target_bytes")
+    if target:
+        memory = read_memory_csv(run_dir / "memory.csv")
+        peak = max([int(metrics.get("peak_rss_bytes") or 0)] + [int(row.get("rss_bytes", 0)) for row in memory])
+        tolerance = config.footprint.tolerance
+        distance = abs(peak - target) / target
+        criteria.append(Criterion(
+            "footprint", distance <= tolerance,
+            f"peak {format_bytes(peak)} vs target {format_bytes(target)}: {distance:.1%} off, tolerance {tolerance:.0%}"))
+
+    verdict = "PASS" if all(criterion.passed for criterion in criteria) else "FAIL"
+    return Verdict(verdict, criteria, str(run_dir))
+
+
+def validate_run(run_dir: Path) -> Verdict:
+    """Evaluate and write verdict.json (only for a finished run: an unfinished one must not look finished)."""
+    verdict = evaluate(run_dir)
+    if read_state(run_dir).get("state") == FINISHED:
+        write_json(Path(run_dir) / "verdict.json", verdict.to_dict())
+    return verdict
+
+
+def print_verdict(verdict: Verdict) -> None:
+    for criterion in verdict.criteria:
+        print(f"  [{'ok' if criterion.passed else 'FAIL'}] {criterion.name}: {criterion.detail}")
+    if verdict.passed:
+        print(f"PASS {verdict.run_dir}")
+    else:
+        names = ", ".join(criterion.name for criterion in verdict.failed)
+        print(f"FAIL {verdict.run_dir} (failed: {names})")
+
+
+def validate_command(run_dir: Path) -> int:
+    verdict = validate_run(run_dir)
+    print_verdict(verdict)
+    return EXIT_PASS if verdict.passed else EXIT_FAIL
