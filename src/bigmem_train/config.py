@@ -151,7 +151,10 @@ class FootprintConfig(_Section):
     def _check_target(cls, value: str | None) -> str | None:
         if value is not None:
             # Validate the syntax now; a percentage is resolved against the host later.
-            parse_size(value, host_total_bytes=1)
+            try:
+                parse_size(value, host_total_bytes=1)
+            except BadInput as error:
+                raise ValueError(str(error)) from None
         return value
 
 

@@ -1,0 +1,73 @@
+"""Config schema: defaults, presets, one-line errors naming the field, overrides."""
+
+import pytest
+
+from bigmem_train.config import Config, load_config, parse_override
+from bigmem_train.errors import BadInput
+
+
+def test_field_defaults_are_the_study():
+    config = Config()
+    assert config.data.input_shape == (240, 240, 144)
+    assert config.training.batch_size == 16
+    assert (config.model.base_filters, config.model.depth) == (16, 4)
+    assert config.data.channels == [0] and config.data.label_mode == "binary"
+    assert config.training.dice_weight == 0.7
+
+
+def test_builtin_default_is_small_and_valid():
+    config = load_config(None)
+    assert config.data.source == "synthetic"
+    assert config.voxels_per_sample < 64**3
+    assert load_config("study").training.batch_size == 16
+
+
+def write(tmp_path, text):
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(
+    "text, fragment",
+    [
+        ("training:\n  batchsize: 4\n", "training.batchsize: unknown key"),
+        ("training:\n  batch_size: 0\n", "training.batch_size"),
+        ("data:\n  input_shape: [100, 64, 64]\n", "divisible by 2**model.depth"),
+        ("model:\n  upsampling: bilinear\n", "model.upsampling"),
+        ("footprint:\n  target: 12 parsecs\n", "footprint.target"),
+        ("data:\n  source: decathlon\n", "data.path is required"),
+        ("runtime:\n  precision: fp8\n", "runtime.precision"),
+        ("nonsense: 1\n", "nonsense: unknown key"),
+        ("- a\n- b\n", "top level must be a mapping"),
+        ("training: [1\n", "not valid YAML at line"),
+    ],
+)
+def test_bad_config_is_one_line_naming_the_field(tmp_path, text, fragment):
+    with pytest.raises(BadInput) as error:
+        load_config(write(tmp_path, text))
+    message = str(error.value)
+    assert fragment in message
+    assert "\n" not in message
+    assert str(tmp_path / "job.yaml") in message
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(BadInput, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_overrides_are_typed_and_validated(tmp_path):
+    config = load_config(None, dict([parse_override("training.epochs=3"), parse_override("data.channels=all")]))
+    assert config.training.epochs == 3 and config.data.channels == "all"
+    assert config.num_channels == 4
+    with pytest.raises(BadInput, match="training.epochs"):
+        load_config(None, {"training.epochs": -1})
+    with pytest.raises(BadInput, match="KEY=VALUE"):
+        parse_override("training.epochs")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(None, {"footprint.target": "80%"})
+    path = write(tmp_path, config.to_yaml())
+    assert load_config(path) == config
