@@ -1,0 +1,98 @@
+"""Verdict logic on hand-made run directories: each criterion can fail on its own."""
+
+import json
+
+import pytest
+
+from bigmem_train.cli import main
+from bigmem_train.config import load_config
+from bigmem_train.errors import BadInput
+from bigmem_train.report import write_report
+from bigmem_train.validate import evaluate, validate_run
+
+HEADER = "epoch,dice,hard_dice,loss,val_dice,val_hard_dice,val_loss\n"
+
+
+def make_run(tmp_path, rows, state="finished", epochs=None, target=None, peak=None, dice_floor=0.5):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    overrides = {"training.epochs": epochs or len(rows), "validation.dice_floor": dice_floor}
+    if target:
+        overrides["footprint.target"] = str(target)
+    (run_dir / "config.yaml").write_text(load_config(None, overrides).to_yaml())
+    (run_dir / "state.json").write_text(json.dumps({"state": state}))
+    lines = [HEADER] + [f"{i},{d},{d},{loss},{vd},{vd},{loss}\n" for i, (loss, d, vd) in enumerate(rows)]
+    (run_dir / "history.csv").write_text("".join(lines))
+    metrics = {"peak_rss_bytes": peak or 1000, "target_bytes": target}
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    (run_dir / "memory.csv").write_text(f"time_unix,elapsed_s,rss_bytes,anon_hugepages_bytes\n1.0,0.0,{peak or 1000},0\n")
+    return run_dir
+
+
+GOOD = [(1.2, 0.1, 0.2), (0.8, 0.4, 0.5), (0.5, 0.7, 0.75)]
+
+
+def failed_names(run_dir):
+    return {criterion.name for criterion in evaluate(run_dir).failed}
+
+
+def test_good_run_passes_and_writes_verdict(tmp_path):
+    run_dir = make_run(tmp_path, GOOD)
+    verdict = validate_run(run_dir)
+    assert verdict.passed, verdict
+    saved = json.loads((run_dir / "verdict.json").read_text())
+    assert saved["verdict"] == "PASS"
+    assert {c["name"] for c in saved["criteria"]} == {"finished", "no_nan", "loss_fell", "dice_floor"}
+
+
+def test_loss_that_rose_fails(tmp_path):
+    assert failed_names(make_run(tmp_path, [(0.5, 0.6, 0.7), (0.9, 0.6, 0.7)])) == {"loss_fell"}
+
+
+def test_dice_below_floor_fails(tmp_path):
+    assert failed_names(make_run(tmp_path, GOOD, dice_floor=0.9)) == {"dice_floor"}
+
+
+def test_nan_fails(tmp_path):
+    assert "no_nan" in failed_names(make_run(tmp_path, [(1.0, 0.5, 0.6), ("nan", 0.5, 0.6), (0.5, 0.6, 0.8)]))
+
+
+def test_unfinished_run_fails_and_gets_no_verdict_file(tmp_path):
+    run_dir = make_run(tmp_path, GOOD, state="running", epochs=10)
+    verdict = validate_run(run_dir)
+    assert {c.name for c in verdict.failed} == {"finished"}
+    assert not (run_dir / "verdict.json").exists()
+
+
+@pytest.mark.parametrize("peak, passes", [(10 * 2**30, True), (int(10.9 * 2**30), True), (12 * 2**30, False), (8 * 2**30, False)])
+def test_footprint_within_tolerance_of_target(tmp_path, peak, passes):
+    run_dir = make_run(tmp_path, GOOD, target=10 * 2**30, peak=peak)
+    assert ("footprint" not in failed_names(run_dir)) is passes
+
+
+def test_validate_command_exit_codes(tmp_path, capsys):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    good = make_run(tmp_path / "a", GOOD)
+    assert main(["validate", str(good)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    bad = make_run(tmp_path / "b", GOOD, dice_floor=0.99)
+    assert main(["validate", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "dice_floor" in out
+    assert main(["validate", str(tmp_path / "missing")]) == 2
+
+
+def test_not_a_run_directory(tmp_path):
+    with pytest.raises(BadInput, match="not a bigmem-train run"):
+        evaluate(tmp_path)
+
+
+def test_report_writes_html_and_plots(tmp_path):
+    run_dir = make_run(tmp_path, GOOD)
+    validate_run(run_dir)
+    page = write_report(run_dir)
+    text = page.read_text()
+    assert "PASS" in text and "training.png" in text and "memory.png" in text
+    assert (run_dir / "training.png").stat().st_size > 1000
+    assert (run_dir / "memory.png").stat().st_size > 1000
