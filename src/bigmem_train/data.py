@@ -1,0 +1,366 @@
+"""Decathlon reader: ``dataset.json`` and NIfTI volumes -> checked cases -> a ``tf.data`` pipeline.
+
+Stages, each usable alone:
+
+- :func:`read_index` parses ``dataset.json`` (the ``training`` list) and reads each image header;
+- :func:`check_dataset` opens every image and label, checks shapes, channels, label values and that
+  each file is complete (a ``.nii.gz`` is decompressed as a stream, never held), and fails with one
+  line naming the file;
+- :func:`split_cases` makes the seeded train/validation split;
+- :func:`prepare_case` turns one case into the network's input (numpy only: channel selection,
+  crop or pad, per-channel z-score over the brain, flips, binary or class labels);
+- :func:`make_datasets` wraps it in ``tf.data``: case indices -> shuffle -> parallel map -> batch ->
+  prefetch. Only indices are shuffled, nothing is cached, so the pipeline holds at most the volumes in
+  flight in the map plus the batches being built and prefetched.
+
+TensorFlow is imported inside :func:`make_datasets` only.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+import numpy as np
+
+from .config import Config
+from .errors import BadInput
+
+# Errors nibabel, gzip and zlib raise on a corrupt, truncated or unreadable file.
+_READ_ERRORS = (OSError, EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError)
+# Decompression chunk for the completeness check: memory stays at this size whatever the volume.
+_STREAM_CHUNK_BYTES = 4 << 20
+# Above this many cases, checking prints progress lines.
+_PROGRESS_MIN_CASES = 20
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training case: its image and label files and the image's spatial shape and channel count."""
+
+    name: str
+    image: Path
+    label: Path
+    shape: tuple[int, int, int]
+    channels: int
+
+
+@dataclass
+class Datasets:
+    """The training (repeats forever) and validation (one finite pass) ``tf.data`` pipelines."""
+
+    train: Any
+    validation: Any
+    train_steps: int
+    validation_steps: int
+    channels: int
+
+
+def _case_name(path: Path) -> str:
+    name = path.name
+    for suffix in (".nii.gz", ".nii"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def _load_header(path: Path) -> nib.Nifti1Image:
+    """Open a NIfTI file (header only; the data stays on disk behind ``dataobj``)."""
+    try:
+        return nib.load(path)
+    except _READ_ERRORS as error:
+        raise BadInput(f"{path}: not a readable NIfTI file ({error})") from None
+
+
+def _geometry(path: Path, image: nib.Nifti1Image) -> tuple[tuple[int, int, int], int]:
+    shape = tuple(int(edge) for edge in image.shape)
+    if len(shape) == 3:
+        return shape, 1
+    if len(shape) == 4:
+        return shape[:3], shape[3]
+    raise BadInput(f"{path}: image is {len(shape)}D {list(shape)}; expected 3D (X,Y,Z) or 4D (X,Y,Z,channels)")
+
+
+def read_index(dataset_dir: Path) -> list[Case]:
+    """Parse ``dataset.json``'s ``training`` list; check the files exist and read each image header."""
+    dataset_dir = Path(dataset_dir)
+    if not dataset_dir.is_dir():
+        raise BadInput(f"dataset folder {dataset_dir} does not exist or is not a folder")
+    index_path = dataset_dir / "dataset.json"
+    if not index_path.is_file():
+        raise BadInput(f"{index_path}: missing; a Decathlon dataset folder holds dataset.json")
+    try:
+        index = json.loads(index_path.read_text())
+    except json.JSONDecodeError as error:
+        raise BadInput(f"{index_path}: not valid JSON (line {error.lineno}: {error.msg})") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadInput(f"{index_path}: cannot be read ({error})") from None
+    if not isinstance(index, dict) or not isinstance(index.get("training"), list):
+        raise BadInput(f"{index_path}: no 'training' list of {{\"image\": ..., \"label\": ...}} entries")
+    if not index["training"]:
+        raise BadInput(f"{index_path}: the 'training' list is empty")
+
+    cases = []
+    for position, entry in enumerate(index["training"]):
+        if not (isinstance(entry, dict) and isinstance(entry.get("image"), str)
+                and isinstance(entry.get("label"), str)):
+            raise BadInput(f"{index_path}: training[{position}] needs 'image' and 'label' paths")
+        image_path, label_path = dataset_dir / entry["image"], dataset_dir / entry["label"]
+        for path in (image_path, label_path):
+            if not path.is_file():
+                raise BadInput(f"{path}: missing (listed in {index_path} training[{position}])")
+        shape, channels = _geometry(image_path, _load_header(image_path))
+        cases.append(Case(_case_name(image_path), image_path, label_path, shape, channels))
+    return cases
+
+
+def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
+    """Raise unless the file holds all the data its header announces (a .nii.gz is streamed, not held)."""
+    header = image.header
+    expected = int(header.get_data_offset()) + int(np.prod(image.shape)) * header.get_data_dtype().itemsize
+    if path.name.endswith(".gz"):
+        total = 0
+        buffer = bytearray(_STREAM_CHUNK_BYTES)
+        try:
+            with gzip.open(path, "rb") as stream:
+                while read := stream.readinto(buffer):
+                    total += read
+        except (EOFError, OSError, zlib.error) as error:
+            raise BadInput(f"{path}: corrupt or truncated gzip stream ({error})") from None
+    else:
+        total = path.stat().st_size
+    if total < expected:
+        raise BadInput(f"{path}: truncated: {total} bytes of data, the header needs {expected}")
+
+
+def _check_case(case: Case, config: Config) -> None:
+    image = _load_header(case.image)
+    label = _load_header(case.label)
+    dtype = image.header.get_data_dtype()
+    if not (np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating)):
+        raise BadInput(f"{case.image}: image data type {dtype} is not a real number type")
+    label_shape = tuple(int(edge) for edge in label.shape)
+    if len(label_shape) == 4 and label_shape[3] == 1:
+        label_shape = label_shape[:3]
+    if len(label_shape) != 3:
+        raise BadInput(f"{case.label}: label is {len(label_shape)}D {list(label_shape)}; expected 3D (X,Y,Z)")
+    if label_shape != case.shape:
+        raise BadInput(f"{case.label}: label shape {list(label_shape)} differs from the image's spatial shape "
+                       f"{list(case.shape)} ({case.image})")
+    channels = config.data.channels
+    if channels == "all":
+        if case.channels != config.num_channels:
+            raise BadInput(f"{case.image}: has {case.channels} channel(s) but data.channels 'all' means "
+                           f"{config.num_channels}; list the channels to use instead")
+    else:
+        missing = [index for index in channels if index >= case.channels]
+        if missing:
+            raise BadInput(f"{case.image}: has {case.channels} channel(s) (indices 0..{case.channels - 1}); "
+                           f"data.channels asks for {missing}")
+    _check_complete(case.image, image)
+    _check_complete(case.label, label)
+    try:
+        values = np.asanyarray(label.dataobj)
+    except _READ_ERRORS as error:
+        raise BadInput(f"{case.label}: cannot be read ({error})") from None
+    _check_label_values(case.label, values, config)
+
+
+def _check_label_values(path: Path, values: np.ndarray, config: Config) -> None:
+    if not np.all(np.isfinite(values)):
+        raise BadInput(f"{path}: label holds NaN or infinite values")
+    if values.size and (values.min() < 0 or not np.array_equal(values, np.rint(values))):
+        raise BadInput(f"{path}: label values must be non-negative integers")
+    classes = config.model.output_classes
+    if config.data.label_mode == "multiclass" and values.size and values.max() >= classes:
+        raise BadInput(f"{path}: label value {int(values.max())} is not a class of model.output_classes = "
+                       f"{classes} (0..{classes - 1})")
+
+
+def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]:
+    """Read the index and check every case; return the cases or raise :class:`BadInput` naming a file.
+
+    ``dataset_dir`` defaults to ``config.data.path``. Files are checked in a thread pool (zlib
+    decompression runs outside the GIL); cases are returned in ``dataset.json`` order.
+    """
+    dataset_dir = dataset_dir if dataset_dir is not None else config.data.path
+    if dataset_dir is None:
+        raise BadInput("data.path is not set: name the dataset folder (the one holding dataset.json)")
+    cases = read_index(Path(dataset_dir))
+    workers = max(1, min(8, os.cpu_count() or 1, len(cases)))
+    report_every = max(1, len(cases) // 10)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="check-data") as pool:
+        futures = [pool.submit(_check_case, case, config) for case in cases]
+        for done, future in enumerate(futures, start=1):
+            try:
+                future.result()
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                raise
+            if len(cases) >= _PROGRESS_MIN_CASES and (done % report_every == 0 or done == len(cases)):
+                print(f"checking dataset: {done}/{len(cases)} cases", file=sys.stderr, flush=True)
+    return cases
+
+
+def split_cases(cases: list[Case], validation_fraction: float, seed: int) -> tuple[list[Case], list[Case]]:
+    """Seeded split into (training, validation), each non-empty and in the original order."""
+    if len(cases) < 2:
+        raise BadInput(f"need at least 2 cases to split into training and validation, found {len(cases)}")
+    validation_count = min(len(cases) - 1, max(1, round(len(cases) * validation_fraction)))
+    order = np.random.default_rng(seed).permutation(len(cases))
+    validation = set(int(index) for index in order[:validation_count])
+    return ([case for index, case in enumerate(cases) if index not in validation],
+            [case for index, case in enumerate(cases) if index in validation])
+
+
+def _placement(source: int, target: int, jitter: int, rng: np.random.Generator | None) -> tuple[int, int, int]:
+    """(start in the volume, start in the output, length) along one axis: centred, shifted by jitter.
+
+    A volume longer than the target is cropped; a shorter one is padded (placed inside the output).
+    """
+    room = abs(source - target)
+    start = room // 2
+    if rng is not None and jitter:
+        start = int(np.clip(start + rng.integers(-jitter, jitter + 1), 0, room))
+    return (start, 0, target) if source >= target else (0, start, source)
+
+
+def _channel_selection(config: Config, channels: int) -> list[int]:
+    return list(range(channels)) if config.data.channels == "all" else list(config.data.channels)
+
+
+def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Load one case as ((X, Y, Z, C) float32 image, (X, Y, Z, 1) float32 label) at ``data.input_shape``.
+
+    ``rng`` given (training): the crop is shifted by up to ``data.crop_jitter`` voxels per axis and,
+    with ``data.augment_flips``, flipped along each axis with probability 1/2. ``rng`` None
+    (validation): the exact centre, no flips. Labels are 0/1 (binary) or class indices (multiclass).
+    """
+    target = config.data.input_shape
+    placements = [_placement(source, edge, config.data.crop_jitter, rng)
+                  for source, edge in zip(case.shape, target)]
+    source_slices = tuple(slice(start, start + length) for start, _, length in placements)
+    output_slices = tuple(slice(start, start + length) for _, start, length in placements)
+    selection = _channel_selection(config, case.channels)
+
+    image_file = _load_header(case.image)
+    try:
+        if len(image_file.shape) == 3:
+            volume = np.asanyarray(image_file.dataobj[source_slices])[..., None]
+        else:
+            # One read covering the wanted channels: a .nii.gz decompresses only up to the last of them.
+            first, last = min(selection), max(selection)
+            volume = np.asanyarray(image_file.dataobj[(*source_slices, slice(first, last + 1))])
+            selection = [index - first for index in selection]
+    except _READ_ERRORS as error:
+        raise BadInput(f"{case.image}: cannot be read ({error})") from None
+    if volume.shape[-1] <= max(selection):
+        raise BadInput(f"{case.image}: has {volume.shape[-1]} channel(s); data.channels asks for {selection}")
+    image = np.zeros((*target, len(selection)), dtype=np.float32)
+    image[output_slices] = volume[..., selection]
+    del volume
+    _zscore_brain(image)
+
+    label_file = _load_header(case.label)
+    try:
+        label_slices = source_slices if len(label_file.shape) == 3 else (*source_slices, 0)
+        values = np.rint(np.asanyarray(label_file.dataobj[label_slices]))
+    except _READ_ERRORS as error:
+        raise BadInput(f"{case.label}: cannot be read ({error})") from None
+    if values.shape != tuple(length for _, _, length in placements):
+        raise BadInput(f"{case.label}: label shape {list(label_file.shape)} differs from the image's "
+                       f"{list(case.shape)}")
+    label = np.zeros((*target, 1), dtype=np.float32)
+    if config.data.label_mode == "binary":
+        label[(*output_slices, 0)] = values > 0
+    else:
+        if values.size and (values.min() < 0 or values.max() >= config.model.output_classes):
+            raise BadInput(f"{case.label}: label values {int(values.min())}..{int(values.max())} are not classes "
+                           f"0..{config.model.output_classes - 1}")
+        label[(*output_slices, 0)] = values
+
+    if rng is not None and config.data.augment_flips:
+        for axis in range(3):
+            if rng.random() < 0.5:
+                image, label = np.flip(image, axis), np.flip(label, axis)
+        image, label = np.ascontiguousarray(image), np.ascontiguousarray(label)
+    return image, label
+
+
+def _zscore_brain(image: np.ndarray) -> None:
+    """In place, per channel: z-score over the brain (nonzero voxels); the background stays 0."""
+    for channel in range(image.shape[-1]):
+        values = image[..., channel]
+        brain = values != 0
+        if not brain.any():
+            continue
+        inside = values[brain]
+        mean = float(inside.mean(dtype=np.float64))
+        std = float(inside.std(dtype=np.float64))
+        values[brain] = (inside - mean) / (std if std > 1e-6 else 1.0)
+
+
+def make_datasets(config: Config, train_cases: list[Case], validation_cases: list[Case]) -> Datasets:
+    """Build the training and validation ``tf.data`` pipelines and their steps per epoch.
+
+    Training: indices shuffled each epoch (seeded by ``training.seed``), repeated forever, loaded by a
+    parallel map (``data.parallel_reads``), batched with the remainder dropped, prefetched. Validation:
+    the exact centre of each case, in order, one finite pass, the last batch kept.
+    """
+    import tensorflow as tf
+
+    if not train_cases or not validation_cases:
+        raise BadInput("make_datasets needs at least one training and one validation case")
+    selection = _channel_selection(config, train_cases[0].channels)
+    channels = len(selection)
+    image_shape = (*config.data.input_shape, channels)
+    label_shape = (*config.data.input_shape, 1)
+    parallel = tf.data.AUTOTUNE if config.data.parallel_reads == "auto" else config.data.parallel_reads
+    batch_size = config.training.batch_size
+    seed = config.training.seed
+
+    def loader(cases: list[Case], training: bool):
+        def load(index, sample):
+            rng = np.random.default_rng([seed, int(sample)]) if training else None
+            return prepare_case(cases[int(index)], config, rng)
+
+        def load_tensors(index, sample):
+            image, label = tf.numpy_function(load, [index, sample], [tf.float32, tf.float32], stateful=False)
+            image.set_shape(image_shape)
+            label.set_shape(label_shape)
+            return image, label
+
+        return load_tensors
+
+    load_train = loader(list(train_cases), training=True)
+    train = (
+        tf.data.Dataset.range(len(train_cases))
+        .shuffle(len(train_cases), seed=seed, reshuffle_each_iteration=True)
+        .repeat()
+        .enumerate()  # a running sample number seeds each sample's crop and flips
+        .map(lambda sample, index: load_train(index, sample), num_parallel_calls=parallel, deterministic=True)
+        .batch(batch_size, drop_remainder=True)
+    )
+    load_validation = loader(list(validation_cases), training=False)
+    validation = (
+        tf.data.Dataset.range(len(validation_cases))
+        .map(lambda index: load_validation(index, index), num_parallel_calls=parallel, deterministic=True)
+        .batch(batch_size)
+    )
+    if config.data.prefetch_batches:
+        train = train.prefetch(config.data.prefetch_batches)
+        validation = validation.prefetch(config.data.prefetch_batches)
+
+    train_steps = config.training.steps_per_epoch or max(1, len(train_cases) // batch_size)
+    validation_batches = math.ceil(len(validation_cases) / batch_size)
+    validation_steps = min(config.training.validation_steps or validation_batches, validation_batches)
+    return Datasets(train, validation, train_steps, validation_steps, channels)
