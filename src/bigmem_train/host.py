@@ -19,6 +19,17 @@ class NumaNode:
     cpus: list[int]
     hugepages_2m: int = 0
     hugepages_1g: int = 0
+    # Free memory plus page cache the kernel can drop (file pages, not shared memory): what a job may take here.
+    memory_available_bytes: int = 0
+
+    @property
+    def has_cpus(self) -> bool:
+        """False for memory-only nodes (CXL expanders, persistent memory as system RAM)."""
+        return bool(self.cpus)
+
+    @property
+    def static_hugepages_bytes(self) -> int:
+        return self.hugepages_2m * 2 * 1024**2 + self.hugepages_1g * 1024**3
 
 
 @dataclass
@@ -39,10 +50,19 @@ class HostFacts:
     hugepage_size_bytes: int = 0
     cpu_flags: list[str] = field(default_factory=list)
     kernel_cmdline: str = ""
+    # Bytes held by static hugetlbfs pages of every size (meminfo "Hugetlb"); TensorFlow cannot use them.
+    hugetlb_bytes: int = 0
+    swap_free_bytes: int = 0
+    # Memory charged to this process's cgroup now (None without a cgroup memory controller).
+    cgroup_usage_bytes: int | None = None
 
     @property
     def effective_memory_bytes(self) -> int:
-        """Memory this process may use: the smaller of available memory and the cgroup limit."""
+        """Memory this process may use: the smaller of available memory and what the cgroup limit leaves.
+
+        MemAvailable already excludes static hugepages; the cgroup limit counts page cache, which the
+        kernel reclaims before it kills, so only the limit itself (not limit - usage) caps a job.
+        """
         limits = [self.memory_available_bytes]
         if self.cgroup_limit_bytes:
             limits.append(self.cgroup_limit_bytes)
@@ -50,19 +70,24 @@ class HostFacts:
 
     @property
     def limit_total_bytes(self) -> int:
-        """Total memory this process may see: physical total, capped by the cgroup limit ("80%" refers to this)."""
+        """Total memory a job may see: physical total less static hugepages, capped by the cgroup limit.
+
+        A share of the host ("80%") refers to this.
+        """
+        total = self.memory_total_bytes - self.static_hugepages_bytes
         if self.cgroup_limit_bytes:
-            return min(self.memory_total_bytes, self.cgroup_limit_bytes)
-        return self.memory_total_bytes
+            return min(total, self.cgroup_limit_bytes)
+        return total
 
     @property
     def static_hugepages_bytes(self) -> int:
-        return self.hugepages_total * self.hugepage_size_bytes
+        return max(self.hugetlb_bytes, self.hugepages_total * self.hugepage_size_bytes)
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["effective_memory_bytes"] = self.effective_memory_bytes
         data["static_hugepages_bytes"] = self.static_hugepages_bytes
+        data["limit_total_bytes"] = self.limit_total_bytes
         return data
 
 
@@ -103,11 +128,22 @@ def _bracketed(text: str) -> str:
     return match.group(1) if match else (text.strip() or "unknown")
 
 
-def read_cgroup_limit(root: Path = Path("/")) -> tuple[int | None, int | None]:
-    """Memory limit of this process's cgroup (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``)."""
-    cgroup_file = _read(root / "proc/self/cgroup")
+def _int_or_none(text: str) -> int | None:
+    text = text.strip()
+    if not text or text == "max":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    # v1 reports "no limit" as a huge page-aligned number.
+    return None if value >= 2**60 else value
+
+
+def _cgroup_paths(root: Path) -> tuple[str | None, str | None]:
+    """This process's cgroup path in the v2 hierarchy and in the v1 memory hierarchy."""
     v2_path, v1_path = None, None
-    for line in cgroup_file.splitlines():
+    for line in _read(root / "proc/self/cgroup").splitlines():
         parts = line.split(":", 2)
         if len(parts) != 3:
             continue
@@ -115,19 +151,64 @@ def read_cgroup_limit(root: Path = Path("/")) -> tuple[int | None, int | None]:
             v2_path = parts[2]
         elif "memory" in parts[1].split(","):
             v1_path = parts[2]
+    return v2_path, v1_path
+
+
+def _candidates(base: Path, cgroup_path: str | None) -> list[Path]:
+    """The process's cgroup folder and its ancestors up to the mount (inside a container the path
+    from /proc/self/cgroup may not exist under the namespaced mount, so the mount itself comes last)."""
+    folders: list[Path] = []
+    if cgroup_path:
+        folder = base / cgroup_path.strip("/")
+        while True:
+            if folder.is_dir() and folder not in folders:
+                folders.append(folder)
+            if folder == base:
+                break
+            folder = folder.parent
+    if base not in folders:
+        folders.append(base)
+    return folders
+
+
+def read_cgroup_memory(root: Path = Path("/")) -> tuple[int | None, int | None, int | None]:
+    """(limit, version, usage) of this process's memory cgroup; limit None when unlimited.
+
+    v2: the smallest ``memory.max`` of the cgroup and its ancestors; usage from ``memory.current``.
+    v1: ``hierarchical_memory_limit`` from ``memory.stat`` (which folds in the ancestors) or
+    ``memory.limit_in_bytes``; usage from ``memory.usage_in_bytes``. In a hybrid layout (v2 mounted
+    at ``unified/`` without the memory controller) v1 is used.
+    """
+    v2_path, v1_path = _cgroup_paths(root)
     base = root / "sys/fs/cgroup"
-    if v2_path is not None or (base / "memory.max").exists():
-        for candidate in ([base / v2_path.lstrip("/")] if v2_path else []) + [base]:
-            text = _read(candidate / "memory.max").strip()
-            if text:
-                return (None if text == "max" else int(text)), 2
-    for candidate in ([base / "memory" / v1_path.lstrip("/")] if v1_path else []) + [base / "memory"]:
-        text = _read(candidate / "memory.limit_in_bytes").strip()
-        if text:
-            limit = int(text)
-            # v1 reports "no limit" as a huge page-aligned number.
-            return (None if limit >= 2**60 else limit), 1
-    return None, None
+    if (base / "cgroup.controllers").exists():
+        limits, usage = [], None
+        for folder in _candidates(base, v2_path):
+            limit = _int_or_none(_read(folder / "memory.max"))
+            if limit is not None:
+                limits.append(limit)
+            if usage is None:
+                usage = _int_or_none(_read(folder / "memory.current"))
+        return (min(limits) if limits else None), 2, usage
+    memory_base = base / "memory"
+    if memory_base.is_dir():
+        for folder in _candidates(memory_base, v1_path):
+            limit_text = _read(folder / "memory.limit_in_bytes")
+            if not limit_text:
+                continue
+            limit = _int_or_none(limit_text)
+            stat = parse_meminfo(_read(folder / "memory.stat").replace(" ", ": "))
+            hierarchical = stat.get("hierarchical_memory_limit")
+            if hierarchical is not None and hierarchical < 2**60:
+                limit = hierarchical if limit is None else min(limit, hierarchical)
+            return limit, 1, _int_or_none(_read(folder / "memory.usage_in_bytes"))
+    return None, None, None
+
+
+def read_cgroup_limit(root: Path = Path("/")) -> tuple[int | None, int | None]:
+    """Memory limit of this process's cgroup (v2 ``memory.max`` or v1 ``memory.limit_in_bytes``)."""
+    limit, version, _usage = read_cgroup_memory(root)
+    return limit, version
 
 
 def read_numa_nodes(root: Path = Path("/")) -> list[NumaNode]:
@@ -148,6 +229,10 @@ def read_numa_nodes(root: Path = Path("/")) -> list[NumaNode]:
                 cpus=parse_cpu_list(_read(node_dir / "cpulist")),
                 hugepages_2m=hugepages[2048],
                 hugepages_1g=hugepages[1048576],
+                memory_available_bytes=min(
+                    meminfo.get("MemTotal", 0),
+                    meminfo.get("MemFree", 0) + max(0, meminfo.get("FilePages", 0) - meminfo.get("Shmem", 0)),
+                ),
             )
         )
     return nodes
@@ -177,7 +262,7 @@ def read_cpu_flags(root: Path = Path("/")) -> list[str]:
 def read_host_facts(root: Path = Path("/")) -> HostFacts:
     """Read everything the planner and preflight need about this host."""
     meminfo = parse_meminfo(_read(root / "proc/meminfo"))
-    limit, version = read_cgroup_limit(root)
+    limit, version, usage = read_cgroup_memory(root)
     if root == Path("/") and hasattr(os, "sched_getaffinity"):
         usable = sorted(os.sched_getaffinity(0))
     else:
@@ -200,6 +285,9 @@ def read_host_facts(root: Path = Path("/")) -> HostFacts:
         hugepage_size_bytes=meminfo.get("Hugepagesize", 0),
         cpu_flags=read_cpu_flags(root),
         kernel_cmdline=_read(root / "proc/cmdline").strip(),
+        hugetlb_bytes=meminfo.get("Hugetlb", 0),
+        swap_free_bytes=meminfo.get("SwapFree", 0),
+        cgroup_usage_bytes=usage,
     )
 
 

@@ -1,0 +1,615 @@
+"""Memory planner: predict a training job's peak resident memory, size a job to a target, place it on NUMA nodes.
+
+The model of memory is derived from the Keras model itself. ``layer_table`` builds the configured U-Net
+(``model.build_unet``) once and records, layer by layer, its kind, inputs, output channels, spatial
+down-sampling and dtype; that table does not depend on the batch or the input shape (edges are divisible
+by ``2**depth``), so sizing a job is arithmetic. The table is built in a child process (importing
+TensorFlow takes seconds and must not happen before the pipeline re-executes under numactl) and cached.
+
+Peak = weights + gradients + optimizer slots + activations kept for backward + largest transient
+workspace + input pipeline buffers + runtime baseline. What each op keeps for backward follows
+TensorFlow's gradient definitions (see ``_kept_tensors``); the two machine constants (runtime
+baseline and workspace factor) are measured by ``bigmem-train plan --calibrate``
+(:mod:`bigmem_train.calibration`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .config import Config
+from .errors import BadInput
+from .host import HostFacts
+from .sizes import GIB, format_bytes, gib, parse_size
+
+BREAKDOWN_KEYS = (
+    "weights",
+    "gradients",
+    "optimizer_slots",
+    "activations",
+    "workspace",
+    "input_pipeline",
+    "runtime_baseline",
+)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+
+# Full-size float32 tensors the study's loss (0.7 * -log Dice + 0.3 * BCE) keeps per output channel:
+# the cast label, clip(y_pred), 1 - clip, log(clip), log(1 - clip), 1 - label, label * y_pred.
+LOSS_KEPT_TENSORS = 7
+
+# Adam keeps two float32 slots (first and second moment) per trainable weight.
+ADAM_SLOTS = 2
+
+# Volume shape of an MSD Task01 case (X, Y, Z) and its 4 contrasts, as read before cropping.
+DECATHLON_VOLUME = (240, 240, 155)
+DECATHLON_CONTRASTS = 4
+
+
+# --------------------------------------------------------------------------------------------------
+# Layer table: what the Keras model is made of, independent of batch and shape.
+
+
+def _model_source_digest() -> str:
+    source = (Path(__file__).parent / "model.py").read_bytes()
+    return hashlib.sha256(source).hexdigest()[:16]
+
+
+def _table_key(config: Config) -> dict[str, Any]:
+    return {
+        "model": config.model.model_dump(mode="json"),
+        "channels": config.num_channels,
+        "precision": config.runtime.precision,
+        "model_py": _model_source_digest(),
+    }
+
+
+def cache_dir() -> Path:
+    """Where layer tables and the user's calibration live: $BIGMEM_CACHE_DIR or ~/.cache/bigmem-train."""
+    if os.environ.get("BIGMEM_CACHE_DIR"):
+        return Path(os.environ["BIGMEM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "bigmem-train"
+
+
+def layer_table_from_keras(config: Config) -> list[dict[str, Any]]:
+    """Build the configured U-Net with Keras in this process and describe each layer (imports TensorFlow)."""
+    import keras
+
+    from .model import build_unet
+
+    edge = 2 ** config.model.depth * 2
+    build_shape = (edge, edge, edge)
+    previous_policy = keras.mixed_precision.global_policy()
+    try:
+        keras.mixed_precision.set_global_policy(config.runtime.precision)
+        model = build_unet(config.model, build_shape, config.num_channels)
+    finally:
+        keras.mixed_precision.set_global_policy(previous_policy)
+    table = []
+    for layer in model.layers:
+        output = layer.output
+        inputs: list[str] = []
+        if layer._inbound_nodes and type(layer).__name__ != "InputLayer":
+            for tensor in layer._inbound_nodes[0].input_tensors:
+                inputs.append(tensor._keras_history.operation.name)
+        spatial = output.shape[1:4]
+        activation = getattr(layer, "activation", None)
+        table.append(
+            {
+                "name": layer.name,
+                "kind": type(layer).__name__,
+                "inputs": inputs,
+                "divisor": [build // int(size) for build, size in zip(build_shape, spatial)],
+                "channels": int(output.shape[-1]),
+                "dtype": str(output.dtype),
+                "activation": getattr(activation, "__name__", None) if activation is not None else None,
+                "trainable_params": int(sum(math.prod(w.shape) for w in layer.trainable_weights)),
+                "non_trainable_params": int(sum(math.prod(w.shape) for w in layer.non_trainable_weights)),
+                "kernel_dtype": str(getattr(layer, "compute_dtype", "float32")),
+            }
+        )
+    return table
+
+
+def layer_table(config: Config) -> list[dict[str, Any]]:
+    """The layer table of ``config``'s model: from the cache, from Keras if it is loaded, else a child process."""
+    key = _table_key(config)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    cache_file = cache_dir() / "layers" / f"{digest}.json"
+    try:
+        return json.loads(cache_file.read_text())["table"]
+    except (OSError, ValueError, KeyError):
+        pass
+    if "keras" in sys.modules:
+        table = layer_table_from_keras(config)
+    else:
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+        result = subprocess.run(
+            [sys.executable, "-m", "bigmem_train.planner", "--layer-table"],
+            input=config.model_dump_json(),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
+        if result.returncode != 0:
+            raise BadInput(f"cannot build the model to plan it: {result.stderr.strip().splitlines()[-1:]}")
+        table = json.loads(result.stdout.strip().splitlines()[-1])
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps({"key": key, "table": table}))
+    except OSError:
+        pass  # A read-only home only costs the child process next time.
+    return table
+
+
+# --------------------------------------------------------------------------------------------------
+# The memory model.
+
+
+@dataclass
+class Calibration:
+    """The machine constants of the model, measured by ``bigmem-train plan --calibrate``."""
+
+    # Resident memory of the training process that does not scale with the job: Python, TensorFlow,
+    # oneDNN and its thread pools, the traced graph.
+    runtime_baseline_bytes: int = 700 * 1024**2
+    # Transient bytes at the peak (backward buffers, oneDNN reorders and scratchpads) as a multiple of
+    # the largest layer's input + output in float32.
+    workspace_factor: float = 1.0
+    source: str = "built-in defaults (not calibrated)"
+    measured: dict[str, Any] = field(default_factory=dict)
+
+
+PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
+
+
+def calibration_path_for_user() -> Path:
+    return cache_dir() / "calibration.json"
+
+
+def load_calibration() -> Calibration:
+    """$BIGMEM_CALIBRATION, else the user's ``~/.cache/bigmem-train/calibration.json``, else the packaged file."""
+    candidates = []
+    if os.environ.get("BIGMEM_CALIBRATION"):
+        candidates.append(Path(os.environ["BIGMEM_CALIBRATION"]))
+    candidates += [calibration_path_for_user(), PACKAGED_CALIBRATION]
+    for path in candidates:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        return Calibration(
+            runtime_baseline_bytes=int(data["runtime_baseline_bytes"]),
+            workspace_factor=float(data["workspace_factor"]),
+            source=str(path),
+            measured=data.get("measured", {}),
+        )
+    return Calibration()
+
+
+def _elements(row: dict[str, Any], batch: int, shape: tuple[int, int, int]) -> int:
+    return batch * math.prod(edge // divisor for edge, divisor in zip(shape, row["divisor"])) * row["channels"]
+
+
+def _block_of(name: str) -> str:
+    """``down0_conv1`` -> ``down0``: the unit gradient recomputation treats as one."""
+    return name.split("_", 1)[0]
+
+
+def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
+                  recompute: bool) -> tuple[dict[str, int], int]:
+    """Tensors the backward pass needs, by identity -> bytes; and the largest recomputed block (transient).
+
+    Rules (TensorFlow gradient definitions, Keras 3 layers):
+    - Conv3D / Conv3DTranspose keep their input (filter gradient), in the layer's compute dtype (a cast
+      copy when the producer's dtype differs, e.g. the float32 input under mixed_bfloat16); a fused
+      sigmoid/softmax keeps the layer's output.
+    - BatchNormalization (Keras 3, unfused: tf.nn.moments + tf.nn.batch_normalization) keeps its input in
+      float32 (a float32 copy under mixed_bfloat16); the output is transient.
+    - ReLU, sigmoid, softmax keep their output; MaxPool3D keeps its input and output; Concatenate and
+      UpSampling keep nothing.
+    """
+    rows = {row["name"]: row for row in table}
+    kept: dict[str, int] = {}
+    owner: dict[str, str] = {}  # tensor key -> block that produced it
+
+    def keep(key: str, producer: dict[str, Any], dtype: str, consumer: str) -> None:
+        kept[key] = _elements(producer, batch, shape) * DTYPE_BYTES.get(dtype, 4)
+        owner[key] = _block_of(producer["name"])
+
+    def keep_input(row: dict[str, Any], dtype: str) -> None:
+        for name in row["inputs"]:
+            producer = rows[name]
+            key = name if producer["dtype"] == dtype else f"{name}:{dtype}"
+            keep(key, producer, dtype, row["name"])
+
+    for row in table:
+        kind = row["kind"]
+        if kind == "InputLayer":
+            keep(row["name"], row, row["dtype"], row["name"])  # the batch the step runs on
+        elif kind in {"Conv3D", "Conv3DTranspose", "Conv2D", "Dense"}:
+            keep_input(row, row["kernel_dtype"])
+            if row["activation"] not in (None, "linear"):
+                keep(row["name"], row, row["dtype"], row["name"])
+        elif kind == "BatchNormalization":
+            keep_input(row, "float32")
+        elif kind in {"Activation", "ReLU", "Softmax"}:
+            if row["activation"] not in (None, "linear") or kind != "Activation":
+                keep(row["name"], row, row["dtype"], row["name"])
+        elif kind in {"MaxPooling3D", "AveragePooling3D"}:
+            keep_input(row, row["dtype"])
+            keep(row["name"], row, row["dtype"], row["name"])
+        elif kind in {"Concatenate", "UpSampling3D", "Add", "Cropping3D", "ZeroPadding3D"}:
+            pass
+        else:  # Unknown layer: assume it keeps input and output.
+            keep_input(row, row["dtype"])
+            keep(row["name"], row, row["dtype"], row["name"])
+    recompute_transient = 0
+    if recompute:
+        # Gradient recomputation keeps only what crosses a block boundary; one block's internals are
+        # rebuilt at a time during backward.
+        consumers: dict[str, set[str]] = {}
+        for row in table:
+            for name in row["inputs"]:
+                consumers.setdefault(name, set()).add(_block_of(row["name"]))
+        per_block: dict[str, int] = {}
+        for key in list(kept):
+            name = key.split(":")[0]
+            block = owner[key]
+            if block in {"volume", "segmentation"} or consumers.get(name, set()) - {block}:
+                continue
+            per_block[block] = per_block.get(block, 0) + kept.pop(key)
+        recompute_transient = max(per_block.values(), default=0)
+    return kept, recompute_transient
+
+
+def _input_pipeline_bytes(config: Config, batch: int, shape: tuple[int, int, int]) -> int:
+    """Batches in flight (the one in the step, the one being assembled, the prefetched ones) and the
+    volumes being decoded (all contrasts, float32, before cropping)."""
+    voxels = math.prod(shape)
+    batch_bytes = batch * voxels * (config.num_channels + 1) * 4
+    batches = config.data.prefetch_batches + 2
+    if config.data.source == "decathlon":
+        volume = math.prod(DECATHLON_VOLUME) * DECATHLON_CONTRASTS * 4
+    else:
+        volume = math.prod(config.data.synthetic_shape) * DECATHLON_CONTRASTS * 4
+    readers = 4 if config.data.parallel_reads == "auto" else config.data.parallel_reads
+    return batches * batch_bytes + readers * volume
+
+
+def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Calibration,
+                  batch: int, shape: tuple[int, int, int]) -> dict[str, int]:
+    """The peak-memory breakdown of ``config``'s model at ``batch`` and ``shape`` (bytes per component)."""
+    trainable = sum(row["trainable_params"] for row in table)
+    non_trainable = sum(row["non_trainable_params"] for row in table)
+    mixed = config.runtime.precision != "float32"
+    # Variables are float32 even under mixed precision; then their bfloat16 casts live through the step.
+    weights = (trainable + non_trainable) * 4 + (trainable * 2 if mixed else 0)
+    gradients = trainable * 4 + (trainable * 2 if mixed else 0)
+    optimizer_slots = trainable * 4 * ADAM_SLOTS
+    kept, recompute_transient = _kept_tensors(table, batch, shape, config.model.recompute)
+    output = table[-1]
+    loss = LOSS_KEPT_TENSORS * _elements(output, batch, shape) * 4
+    activations = sum(kept.values()) + loss
+    largest = 0
+    rows = {row["name"]: row for row in table}
+    for row in table:
+        inputs = sum(_elements(rows[name], batch, shape) for name in row["inputs"])
+        largest = max(largest, (inputs + _elements(row, batch, shape)) * 4)
+    workspace = int(calibration.workspace_factor * largest) + recompute_transient
+    return {
+        "weights": weights,
+        "gradients": gradients,
+        "optimizer_slots": optimizer_slots,
+        "activations": activations,
+        "workspace": workspace,
+        "input_pipeline": _input_pipeline_bytes(config, batch, shape),
+        "runtime_baseline": calibration.runtime_baseline_bytes,
+    }
+
+
+def estimate(config: Config, calibration: Calibration | None = None) -> dict[str, int]:
+    """Predicted peak-memory breakdown (bytes) of ``config`` as it stands: keys in ``BREAKDOWN_KEYS``."""
+    calibration = calibration or load_calibration()
+    return breakdown_for(config, layer_table(config), calibration,
+                         config.training.batch_size, tuple(config.data.input_shape))
+
+
+# --------------------------------------------------------------------------------------------------
+# Sizing to a target.
+
+
+def _peak(config: Config, table, calibration, batch: int, shape) -> int:
+    return sum(breakdown_for(config, table, calibration, batch, tuple(shape)).values())
+
+
+def largest_batch(config: Config, table, calibration, shape, limit_bytes: int, ceiling: int = 4096) -> int:
+    """Largest batch whose peak at ``shape`` is at most ``limit_bytes``; 0 when not even 1 fits."""
+    if _peak(config, table, calibration, 1, shape) > limit_bytes:
+        return 0
+    low, high = 1, ceiling
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _peak(config, table, calibration, middle, shape) <= limit_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def largest_shape(config: Config, table, calibration, batch: int, limit_bytes: int,
+                  ceiling: tuple[int, int, int] | None = None) -> tuple[int, int, int] | None:
+    """Largest shape of the configured aspect (edges multiples of 2**depth, at most ``ceiling`` when given)
+    whose peak at ``batch`` is at most ``limit_bytes``; None when not even the smallest fits."""
+    step = 2 ** config.model.depth
+    base = tuple(config.data.input_shape)
+
+    def fits(shape) -> bool:
+        return _peak(config, table, calibration, batch, shape) <= limit_bytes
+
+    def scaled(factor: float) -> tuple[int, int, int]:
+        shape = tuple(max(step, int(edge * factor) // step * step) for edge in base)
+        if ceiling:
+            shape = tuple(min(edge, top) for edge, top in zip(shape, ceiling))
+        return shape  # type: ignore[return-value]
+
+    if not fits(scaled(0.0)):
+        return None
+    low, high = 0.0, 64.0 if ceiling is None else 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        if fits(scaled(middle)):
+            low = middle
+        else:
+            high = middle
+    shape = list(scaled(low))
+    # Fill what is left one step on one axis at a time, the axis furthest below its share first.
+    grown = True
+    while grown:
+        grown = False
+        for axis in sorted(range(3), key=lambda a: shape[a] / base[a]):
+            trial = list(shape)
+            trial[axis] += step
+            if ceiling and trial[axis] > ceiling[axis]:
+                continue
+            if fits(trial):
+                shape, grown = trial, True
+                break
+    return tuple(shape)  # type: ignore[return-value]
+
+
+def size_to_target(config: Config, target_bytes: int, table, calibration) -> tuple[int, tuple[int, int, int]]:
+    """(batch, shape) whose predicted peak comes closest to ``target_bytes`` from below, per footprint.resize.
+
+    "batch" keeps the shape; "shape" keeps the batch; "both" keeps the shape and picks the batch, then
+    tries one batch more on a shape shrunk to fit, and takes whichever comes closer (the shape never grows
+    beyond the configured one, so crops stay inside the volumes). When nothing fits, the smallest job.
+    """
+    shape = tuple(config.data.input_shape)
+    batch = config.training.batch_size
+    mode = config.footprint.resize
+    if mode == "batch":
+        return max(1, largest_batch(config, table, calibration, shape, target_bytes)), shape
+    if mode == "shape":
+        found = largest_shape(config, table, calibration, batch, target_bytes)
+        step = 2 ** config.model.depth
+        return batch, found or (step, step, step)
+    best_batch = largest_batch(config, table, calibration, shape, target_bytes)
+    if best_batch == 0:
+        found = largest_shape(config, table, calibration, 1, target_bytes, ceiling=shape)
+        step = 2 ** config.model.depth
+        return 1, found or (step, step, step)
+    candidates = [(best_batch, shape)]
+    more = largest_shape(config, table, calibration, best_batch + 1, target_bytes, ceiling=shape)
+    if more:
+        candidates.append((best_batch + 1, more))
+    return max(candidates, key=lambda c: (_peak(config, table, calibration, c[0], c[1]), c[1] == shape))
+
+
+# --------------------------------------------------------------------------------------------------
+# NUMA placement.
+
+
+@dataclass
+class Placement:
+    """Where the job's memory and threads go. ``policy``: bind (one node, its cores), interleave, none."""
+
+    policy: Literal["bind", "interleave", "none"]
+    nodes: list[int]
+    cpus: list[int]
+    reason: str
+    all_memory_nodes: bool = False
+
+    def numactl_args(self) -> list[str]:
+        """The numactl prefix to re-execute the job under ([] for none)."""
+        if self.policy == "bind":
+            joined = ",".join(map(str, self.nodes))
+            return ["numactl", f"--membind={joined}", f"--cpunodebind={joined}"]
+        if self.policy == "interleave":
+            nodes = "all" if self.all_memory_nodes else ",".join(map(str, self.nodes))
+            return ["numactl", f"--interleave={nodes}"]
+        return []
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "nodes": self.nodes, "cpus": self.cpus, "reason": self.reason,
+                "numactl": self.numactl_args()}
+
+
+def decide_placement(peak_bytes: int, host: HostFacts, numa_policy: str, safety_margin: float) -> Placement:
+    """Bind to one node with CPUs when the job fits its available memory with the margin, else interleave.
+
+    Memory-only nodes (no CPUs: CXL expanders, persistent memory) are never bound to; they join an
+    interleave only when the nodes with CPUs together cannot hold the job.
+    """
+    nodes = [node for node in host.numa_nodes if node.memory_total_bytes > 0]
+    usable = set(host.usable_cpus)
+    if len(nodes) <= 1:
+        return Placement("none", [node.node_id for node in nodes], sorted(usable), "one NUMA node: nothing to place")
+    if numa_policy == "none":
+        return Placement("none", [], sorted(usable), "numa_policy is none: the kernel's default placement")
+    keep = 1.0 - safety_margin
+
+    def node_cpus(node) -> list[int]:
+        return sorted(set(node.cpus) & usable) if usable else list(node.cpus)
+
+    with_cpus = [node for node in nodes if node_cpus(node)]
+    if numa_policy in {"auto", "bind"}:
+        fitting = [node for node in with_cpus if peak_bytes <= node.memory_available_bytes * keep]
+        if fitting:
+            node = max(fitting, key=lambda n: (n.memory_available_bytes, -n.node_id))
+            return Placement(
+                "bind", [node.node_id], node_cpus(node),
+                f"fits node {node.node_id}: {format_bytes(peak_bytes)} <= {keep:.0%} of its available "
+                f"{format_bytes(node.memory_available_bytes)}; memory and cores bound to it",
+            )
+    prefix = "bind requested but no node with CPUs holds the job; " if numa_policy == "bind" else ""
+    cpu_memory = sum(node.memory_available_bytes for node in with_cpus)
+    cpus = sorted({cpu for node in with_cpus for cpu in node_cpus(node)})
+    if peak_bytes <= cpu_memory * keep or len(with_cpus) == len(nodes):
+        chosen = with_cpus
+        reason = (f"{prefix}larger than any one node; interleaved over the {len(chosen)} nodes with CPUs "
+                  f"({format_bytes(cpu_memory)} available)")
+    else:
+        chosen = nodes
+        reason = (f"{prefix}larger than the nodes with CPUs hold ({format_bytes(cpu_memory)} available); "
+                  f"interleaved over all {len(nodes)} nodes incl. memory-only ones")
+    return Placement("interleave", [node.node_id for node in chosen], cpus, reason,
+                     all_memory_nodes=len(chosen) == len(nodes))
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan.
+
+
+@dataclass
+class JobPlan:
+    """The job after sizing, its predicted peak and breakdown, and its placement."""
+
+    config: Config
+    peak_bytes: int
+    breakdown: dict[str, int]
+    target_bytes: int | None
+    placement: Placement
+    original_batch_size: int = 0
+    original_input_shape: tuple[int, int, int] = (0, 0, 0)
+    calibration_source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "peak_gib": gib(self.peak_bytes),
+            "target_bytes": self.target_bytes,
+            "target_gib": gib(self.target_bytes) if self.target_bytes is not None else None,
+            "batch_size": self.config.training.batch_size,
+            "input_shape": list(self.config.data.input_shape),
+            "original_batch_size": self.original_batch_size,
+            "original_input_shape": list(self.original_input_shape),
+            "precision": self.config.runtime.precision,
+            "recompute": self.config.model.recompute,
+            "breakdown": {key: {"bytes": value, "gib": gib(value)} for key, value in self.breakdown.items()},
+            "placement": self.placement.to_dict(),
+            "calibration": self.calibration_source,
+        }
+
+
+def resolve_target(config: Config, host: HostFacts | None) -> int | None:
+    """footprint.target in bytes ("80%" of the memory the job may see on ``host``)."""
+    if config.footprint.target is None:
+        return None
+    total = host.limit_total_bytes if host is not None else None
+    return parse_size(config.footprint.target, host_total_bytes=total)
+
+
+def with_job_size(config: Config, batch: int, shape: tuple[int, int, int]) -> Config:
+    """A copy of ``config`` with this batch and input shape (validated)."""
+    data = config.model_dump()
+    data["training"]["batch_size"] = batch
+    data["data"]["input_shape"] = tuple(shape)
+    return Config.model_validate(data)
+
+
+def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | None = None) -> JobPlan:
+    """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement."""
+    calibration = calibration or load_calibration()
+    table = layer_table(config)
+    target = resolve_target(config, host)
+    sized = config
+    if target is not None:
+        batch, shape = size_to_target(config, target, table, calibration)
+        sized = with_job_size(config, batch, shape)
+    breakdown = breakdown_for(sized, table, calibration, sized.training.batch_size, tuple(sized.data.input_shape))
+    peak = sum(breakdown.values())
+    if host is not None:
+        placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
+    else:
+        placement = Placement("none", [], [], "no host facts")
+    return JobPlan(sized, peak, breakdown, target, placement, config.training.batch_size,
+                   tuple(config.data.input_shape), calibration.source)
+
+
+def format_plan(plan: JobPlan) -> str:
+    """The human-readable plan: breakdown in bytes and GiB, the chosen job, the placement."""
+    config = plan.config
+    lines = [
+        f"job: input {'x'.join(map(str, config.data.input_shape))} x {config.num_channels} channel(s), "
+        f"batch {config.training.batch_size}, {config.model.base_filters} base filters, depth {config.model.depth}, "
+        f"{config.runtime.precision}{', recompute' if config.model.recompute else ''}",
+    ]
+    if plan.target_bytes is not None:
+        lines.append(f"target: {format_bytes(plan.target_bytes)} (resize: {config.footprint.resize}; was input "
+                     f"{'x'.join(map(str, plan.original_input_shape))}, batch {plan.original_batch_size})")
+    lines.append("predicted peak memory:")
+    width = max(len(key) for key in plan.breakdown)
+    for key, value in plan.breakdown.items():
+        lines.append(f"  {key:<{width}}  {format_bytes(value)}")
+    lines.append(f"  {'total':<{width}}  {format_bytes(plan.peak_bytes)}")
+    voxels = config.training.batch_size * config.voxels_per_sample
+    lines.append(f"per input voxel: {plan.breakdown['activations'] / voxels:.0f} B kept for backward, "
+                 f"{plan.peak_bytes / voxels:.0f} B in all")
+    lines.append(f"placement: {plan.placement.policy} ({plan.placement.reason})")
+    if plan.placement.numactl_args():
+        lines.append(f"  {' '.join(plan.placement.numactl_args())}")
+    lines.append(f"constants: {plan.calibration_source}")
+    return "\n".join(lines)
+
+
+def plan_command(config: Config, as_json: bool, calibrate: bool) -> int:
+    """``bigmem-train plan``: print the breakdown (and the sized job with a target)."""
+    from .host import read_host_facts
+
+    if calibrate:
+        from .calibration import calibrate as run_calibration
+
+        path = run_calibration(config, log=None if as_json else print)
+        if not as_json:
+            print(f"calibration stored: {path}")
+    host = read_host_facts()
+    plan = plan_job(config, host)
+    if as_json:
+        print(json.dumps(plan.to_dict(), indent=2))
+    else:
+        print(format_plan(plan))
+    return 0
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["--layer-table"]:
+        config = Config.model_validate_json(sys.stdin.read())
+        print(json.dumps(layer_table_from_keras(config)))
+        return 0
+    print("usage: python -m bigmem_train.planner --layer-table < config.json", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
