@@ -125,8 +125,9 @@ def read_index(dataset_dir: Path) -> list[Case]:
 
 def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
     """Raise unless the file holds all the data its header announces (a .nii.gz is streamed, not held)."""
-    header = image.header
-    expected = int(header.get_data_offset()) + int(np.prod(image.shape)) * header.get_data_dtype().itemsize
+    # The proxy's offset is where the data really starts (the header field may say 0 for a .nii).
+    offset = int(getattr(image.dataobj, "offset", image.header.get_data_offset()))
+    expected = offset + int(np.prod(image.shape)) * image.header.get_data_dtype().itemsize
     if path.name.endswith(".gz"):
         total = 0
         buffer = bytearray(_STREAM_CHUNK_BYTES)
@@ -238,12 +239,14 @@ def _channel_selection(config: Config, channels: int) -> list[int]:
     return list(range(channels)) if config.data.channels == "all" else list(config.data.channels)
 
 
-def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray]:
+def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = None,
+                 normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """Load one case as ((X, Y, Z, C) float32 image, (X, Y, Z, 1) float32 label) at ``data.input_shape``.
 
     ``rng`` given (training): the crop is shifted by up to ``data.crop_jitter`` voxels per axis and,
     with ``data.augment_flips``, flipped along each axis with probability 1/2. ``rng`` None
     (validation): the exact centre, no flips. Labels are 0/1 (binary) or class indices (multiclass).
+    ``normalize`` False skips the z-score (the scaled values as stored, for tests and inspection).
     """
     target = config.data.input_shape
     placements = [_placement(source, edge, config.data.crop_jitter, rng)
@@ -268,7 +271,8 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
     image = np.zeros((*target, len(selection)), dtype=np.float32)
     image[output_slices] = volume[..., selection]
     del volume
-    _zscore_brain(image)
+    if normalize:
+        _zscore_brain(image)
 
     label_file = _load_header(case.label)
     try:
@@ -342,18 +346,25 @@ def make_datasets(config: Config, train_cases: list[Case], validation_cases: lis
         return load_tensors
 
     load_train = loader(list(train_cases), training=True)
+    load_validation = loader(list(validation_cases), training=False)
+
+    def map_train(sample, index):
+        return load_train(index, sample)
+
+    def map_validation(index):
+        return load_validation(index, index)
+
     train = (
         tf.data.Dataset.range(len(train_cases))
         .shuffle(len(train_cases), seed=seed, reshuffle_each_iteration=True)
         .repeat()
         .enumerate()  # a running sample number seeds each sample's crop and flips
-        .map(lambda sample, index: load_train(index, sample), num_parallel_calls=parallel, deterministic=True)
+        .map(map_train, num_parallel_calls=parallel, deterministic=True)
         .batch(batch_size, drop_remainder=True)
     )
-    load_validation = loader(list(validation_cases), training=False)
     validation = (
         tf.data.Dataset.range(len(validation_cases))
-        .map(lambda index: load_validation(index, index), num_parallel_calls=parallel, deterministic=True)
+        .map(map_validation, num_parallel_calls=parallel, deterministic=True)
         .batch(batch_size)
     )
     if config.data.prefetch_batches:

@@ -99,6 +99,8 @@ def write_synthetic_dataset(out_dir: Path, cases: int, shape: tuple[int, int, in
         if cases >= 20 and (index % report_every == 0 or index == cases):
             print(f"synthetic dataset: {index}/{cases} cases", file=sys.stderr, flush=True)
 
+    for leftover in [*images_dir.glob(".partial-*"), *labels_dir.glob(".partial-*")]:
+        leftover.unlink()  # from an interrupted earlier run
     _write_atomically(out_dir / "dataset.json", json.dumps(_dataset_json(cases, parameters), indent=4))
     (out_dir / IN_PROGRESS_MARKER).unlink(missing_ok=True)
     return out_dir

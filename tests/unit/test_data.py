@@ -1,0 +1,276 @@
+"""The Decathlon reader: index, checks, split, case preparation and the tf.data pipeline."""
+
+from __future__ import annotations
+
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from bigmem_train.data import (
+    Case,
+    check_dataset,
+    make_datasets,
+    prepare_case,
+    read_index,
+    split_cases,
+)
+from bigmem_train.errors import BadInput
+from tests.unit.nifti_fixtures import phantom, save_nifti, small_config, write_dataset
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    return write_dataset(tmp_path / "data", [phantom(seed=seed) for seed in range(4)])
+
+
+def one_case(tmp_path, image, label, **save_options) -> Case:
+    folder = write_dataset(tmp_path / "one", [(image, label)], **save_options)
+    return read_index(folder)[0]
+
+
+# --- index and checks ---------------------------------------------------------------------------
+
+def test_read_index_and_check_dataset(dataset):
+    cases = check_dataset(small_config(dataset))
+    assert [case.name for case in cases] == ["CASE_001", "CASE_002", "CASE_003", "CASE_004"]
+    assert cases[0].shape == (16, 16, 12) and cases[0].channels == 4
+    assert cases[0].image == dataset / "imagesTr" / "CASE_001.nii.gz"
+
+
+def assert_bad_input(call, path) -> None:
+    with pytest.raises(BadInput) as raised:
+        call()
+    message = str(raised.value)
+    assert str(path) in message and "\n" not in message, message
+
+
+def test_missing_folder(tmp_path):
+    assert_bad_input(lambda: check_dataset(small_config(tmp_path / "absent")), tmp_path / "absent")
+
+
+def test_folder_without_dataset_json(tmp_path):
+    assert_bad_input(lambda: check_dataset(small_config(tmp_path)), tmp_path / "dataset.json")
+
+
+def test_malformed_json(dataset):
+    (dataset / "dataset.json").write_text('{"training": [')
+    assert_bad_input(lambda: check_dataset(small_config(dataset)), dataset / "dataset.json")
+
+
+def test_missing_training_list(dataset):
+    (dataset / "dataset.json").write_text(json.dumps({"name": "x"}))
+    assert_bad_input(lambda: read_index(dataset), dataset / "dataset.json")
+
+
+def test_missing_image_file(dataset):
+    (dataset / "imagesTr" / "CASE_002.nii.gz").unlink()
+    assert_bad_input(lambda: check_dataset(small_config(dataset)), dataset / "imagesTr" / "CASE_002.nii.gz")
+
+
+def test_truncated_nifti_gz(dataset):
+    path = dataset / "imagesTr" / "CASE_003.nii.gz"
+    content = path.read_bytes()
+    path.write_bytes(content[: len(content) * 2 // 3])
+    assert_bad_input(lambda: check_dataset(small_config(dataset)), path)
+
+
+def test_truncated_plain_nifti(tmp_path):
+    image, label = phantom()
+    folder = tmp_path / "plain"
+    save_nifti(image, folder / "image.nii")
+    save_nifti(label, folder / "label.nii")
+    (folder / "dataset.json").write_text(json.dumps({"training": [{"image": "image.nii", "label": "label.nii"}]}))
+    content = (folder / "image.nii").read_bytes()
+    (folder / "image.nii").write_bytes(content[:-100])
+    assert_bad_input(lambda: check_dataset(small_config(folder)), folder / "image.nii")
+
+
+def test_label_shape_mismatch(tmp_path):
+    image, _ = phantom()
+    _, label = phantom(shape=(16, 16, 10))
+    folder = write_dataset(tmp_path / "d", [(image, label)])
+    assert_bad_input(lambda: check_dataset(small_config(folder)), folder / "labelsTr" / "CASE_001.nii.gz")
+
+
+def test_channel_out_of_range(dataset):
+    assert_bad_input(lambda: check_dataset(small_config(dataset, channels=[4])), dataset / "imagesTr")
+
+
+def test_multiclass_label_out_of_range(tmp_path):
+    image, label = phantom()
+    label[0, 0, 0] = 7
+    folder = write_dataset(tmp_path / "d", [(image, label)])
+    config = small_config(folder, label_mode="multiclass")
+    assert_bad_input(lambda: check_dataset(config), folder / "labelsTr" / "CASE_001.nii.gz")
+
+
+def test_corrupt_file_at_read_time_names_the_path(tmp_path):
+    image, label = phantom()
+    case = one_case(tmp_path, image, label)
+    content = case.image.read_bytes()
+    case.image.write_bytes(content[: len(content) // 2])
+    # All channels: the read must reach the cut (channel 0 alone lies before it and still reads).
+    config = small_config(channels="all")
+    assert_bad_input(lambda: prepare_case(case, config, np.random.default_rng(0)), case.image)
+
+
+# --- reading: dtypes, scaling, channels, labels ---------------------------------------------------
+
+def test_int16_with_scl_slope_and_inter(tmp_path):
+    stored = np.arange(16 * 16 * 12 * 2, dtype=np.int16).reshape(16, 16, 12, 2) % 1000
+    case = one_case(tmp_path, stored, np.zeros((16, 16, 12), np.uint8), slope=0.5, inter=3.0)
+    assert nib.load(case.image).get_data_dtype() == np.int16
+    image, _ = prepare_case(case, small_config(channels="all"), normalize=False)
+    np.testing.assert_allclose(image, stored.astype(np.float32) * 0.5 + 3.0)
+
+
+def test_float64_image(tmp_path):
+    stored = np.random.default_rng(1).normal(size=(16, 16, 12, 1))
+    case = one_case(tmp_path, stored, np.zeros((16, 16, 12), np.uint8))
+    image, _ = prepare_case(case, small_config(), normalize=False)
+    assert image.dtype == np.float32
+    np.testing.assert_allclose(image, stored.astype(np.float32), rtol=1e-6)
+
+
+def test_3d_single_channel_image(tmp_path):
+    stored, label = phantom(channels=None)
+    case = one_case(tmp_path, stored, label)
+    assert case.channels == 1 and case.shape == (16, 16, 12)
+    check_dataset(small_config(case.image.parents[1]))
+    image, _ = prepare_case(case, small_config(), normalize=False)
+    assert image.shape == (16, 16, 12, 1)
+    np.testing.assert_allclose(image[..., 0], stored)
+    assert_bad_input(lambda: check_dataset(small_config(case.image.parents[1], channels=[1])), case.image)
+
+
+def test_channel_selection(tmp_path):
+    shape = (16, 16, 12)
+    stored = np.stack([np.full(shape, 10.0 * (channel + 1), np.float32) for channel in range(4)], axis=-1)
+    case = one_case(tmp_path, stored, np.zeros(shape, np.uint8))
+    flair, _ = prepare_case(case, small_config(channels=[0]), normalize=False)
+    every, _ = prepare_case(case, small_config(channels="all"), normalize=False)
+    picked, _ = prepare_case(case, small_config(channels=[3, 1]), normalize=False)
+    assert flair.shape == (*shape, 1) and np.all(flair == 10)
+    assert every.shape == (*shape, 4) and list(every[0, 0, 0]) == [10, 20, 30, 40]
+    assert list(picked[0, 0, 0]) == [40, 20]
+
+
+def test_binary_and_multiclass_labels(tmp_path):
+    image, label = phantom()
+    case = one_case(tmp_path, image, label)
+    _, binary = prepare_case(case, small_config())
+    _, classes = prepare_case(case, small_config(label_mode="multiclass"))
+    assert binary.shape == classes.shape == (16, 16, 12, 1)
+    assert binary.dtype == classes.dtype == np.float32
+    np.testing.assert_array_equal(binary[..., 0], label > 0)
+    np.testing.assert_array_equal(classes[..., 0], label)
+    assert set(np.unique(classes)) == {0, 1, 2, 3}
+
+
+def test_zscore_over_the_brain(tmp_path):
+    image, label = phantom()
+    image[..., 3] = np.where(image[..., 0] != 0, 7.0, 0.0)  # constant brain: std 0 must not give NaN
+    case = one_case(tmp_path, image, label)
+    prepared, _ = prepare_case(case, small_config(channels="all"))
+    brain = image[..., 0] != 0
+    for channel in range(3):
+        values = prepared[..., channel][brain]
+        assert abs(values.mean()) < 1e-5 and abs(values.std() - 1) < 1e-4
+    assert np.all(prepared[~brain] == 0)
+    assert np.all(np.isfinite(prepared)) and np.all(prepared[..., 3] == 0)
+
+
+# --- crop and pad --------------------------------------------------------------------------------
+
+def coded_case(tmp_path, shape):
+    """A 3D image whose voxel values encode their position, and a label = (value > threshold)."""
+    stored = (np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1)
+    label = (stored > stored.max() / 2).astype(np.uint8)
+    return one_case(tmp_path, stored, label), stored
+
+
+def test_validation_crop_and_pad_is_centred(tmp_path):
+    case, stored = coded_case(tmp_path, (13, 21, 9))  # x padded by 3, y cropped by 5, z padded by 3
+    image, label = prepare_case(case, small_config(), normalize=False)
+    assert image.shape == (16, 16, 12, 1)
+    expected = np.zeros((16, 16, 12), np.float32)
+    expected[1:14, :, 1:10] = stored[:, 2:18, :]
+    np.testing.assert_array_equal(image[..., 0], expected)
+    np.testing.assert_array_equal(label[..., 0], expected > stored.max() / 2)
+
+
+def test_larger_volume_centre_crop(tmp_path):
+    case, stored = coded_case(tmp_path, (20, 17, 15))
+    image, _ = prepare_case(case, small_config(), normalize=False)
+    np.testing.assert_array_equal(image[..., 0], stored[2:18, 0:16, 1:13])
+
+
+@pytest.mark.parametrize("shape", [(13, 21, 9), (23, 19, 17)])
+def test_training_jitter_and_flips_keep_image_and_label_aligned(tmp_path, shape):
+    case, stored = coded_case(tmp_path, shape)
+    config = small_config(crop_jitter=3, augment_flips=True)
+    threshold = stored.max() / 2
+    seen = set()
+    for seed in range(12):
+        image, label = prepare_case(case, config, np.random.default_rng(seed), normalize=False)
+        assert image.shape == (16, 16, 12, 1) and label.shape == (16, 16, 12, 1)
+        np.testing.assert_array_equal(label, image > threshold)
+        seen.add(image.tobytes())
+        values = set(image[image > 0].astype(int))
+        assert values <= set(stored.astype(int).ravel())
+    assert len(seen) > 1  # the crop moves and flips between samples
+
+
+def test_training_offset_stays_within_jitter(tmp_path):
+    case, stored = coded_case(tmp_path, (24, 16, 12))  # only x is cropped: centre start 4
+    config = small_config(crop_jitter=2, augment_flips=False)
+    starts = set()
+    for seed in range(30):
+        image, _ = prepare_case(case, config, np.random.default_rng(seed), normalize=False)
+        starts.add(int(np.argwhere(stored == image[0, 0, 0, 0])[0][0]))
+    assert starts <= {2, 3, 4, 5, 6} and len(starts) > 1
+
+
+# --- split ---------------------------------------------------------------------------------------
+
+def make_cases(count):
+    return [Case(f"C{index}", f"i{index}", f"l{index}", (1, 1, 1), 1) for index in range(count)]
+
+
+def test_split_is_seeded_disjoint_and_non_empty():
+    cases = make_cases(20)
+    train, validation = split_cases(cases, 0.25, seed=42)
+    assert len(validation) == 5 and len(train) == 15
+    assert not {case.name for case in train} & {case.name for case in validation}
+    assert split_cases(cases, 0.25, seed=42) == (train, validation)
+    assert split_cases(cases, 0.25, seed=7) != (train, validation)
+    small_train, small_validation = split_cases(make_cases(2), 0.9, seed=0)
+    assert len(small_train) == len(small_validation) == 1
+    with pytest.raises(BadInput):
+        split_cases(make_cases(1), 0.5, seed=0)
+
+
+# --- tf.data -------------------------------------------------------------------------------------
+
+def test_make_datasets_batches_and_steps(tmp_path):
+    folder = write_dataset(tmp_path / "d", [phantom(shape=(18, 15, 12), seed=seed) for seed in range(5)])
+    config = small_config(folder, channels=[0, 2])
+    cases = check_dataset(config)
+    train_cases, validation_cases = split_cases(cases, 0.4, seed=1)  # 3 train, 2 validation
+    datasets = make_datasets(config, train_cases, validation_cases)
+    assert (datasets.train_steps, datasets.validation_steps, datasets.channels) == (1, 1, 2)
+    for image, label in datasets.train.take(3):  # repeats beyond one pass
+        assert image.shape == (2, 16, 16, 12, 2) and label.shape == (2, 16, 16, 12, 1)
+        assert image.dtype.name == "float32" and label.dtype.name == "float32"
+    validation = list(datasets.validation)
+    assert [batch[0].shape[0] for batch in validation] == [2]  # finite, one pass
+
+    config.training.steps_per_epoch = 5
+    config.training.validation_steps = 4
+    config.training.batch_size = 3
+    config.data.parallel_reads = "auto"
+    datasets = make_datasets(config, train_cases, validation_cases)
+    assert datasets.train_steps == 5 and datasets.validation_steps == 1
+    assert [batch[0].shape[0] for batch in datasets.validation] == [2]  # the last batch is kept
