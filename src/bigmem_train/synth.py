@@ -29,7 +29,7 @@ import numpy as np
 from .errors import BadInput
 
 # Bump when the generator changes what it writes, so an older dataset is regenerated, not reused.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 MODALITIES = {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
 LABELS = {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
 # Written while a dataset is being generated; its presence marks the folder as ours to resume or replace.
@@ -47,6 +47,8 @@ _TISSUE_MEANS = {
     "enhancing": (850.0, 420.0, 1100.0, 800.0),
 }
 _NOISE_SIGMA = 30.0
+# Relative variation of a tumour blob's radius with direction.
+_WOBBLE = 0.12
 
 
 def case_name(index: int) -> str:
@@ -190,39 +192,42 @@ def _save_nifti(data: np.ndarray, path: Path) -> None:
 
 def _smooth_field(rng: np.random.Generator, grids: tuple[np.ndarray, ...], scale: float, waves: int = 3):
     """A smooth random field in about [-1, 1]: a few random low-frequency plane waves."""
-    field = np.zeros(grids[0].shape, dtype=np.float32)
+    field = None
     for _ in range(waves):
         direction = rng.normal(size=3)
         direction /= np.linalg.norm(direction)
         frequency = 2 * np.pi / scale * rng.uniform(0.5, 1.5)
-        phase = rng.uniform(0, 2 * np.pi)
+        phase = float(rng.uniform(0, 2 * np.pi))
         projection = sum(float(direction[axis] * frequency) * grids[axis] for axis in range(3))
-        field += np.cos(projection + phase).astype(np.float32)
-    return field / waves
+        wave = np.cos(projection + phase)
+        field = wave if field is None else field + wave
+    return field / np.float32(waves)
 
 
 def _ellipsoid_distance(grids, centre, radii) -> np.ndarray:
-    """Normalised distance: < 1 inside the ellipsoid with these centre and semi-axes."""
-    return sum(((grids[axis] - centre[axis]) / radii[axis]) ** 2 for axis in range(3))
+    """Normalised distance: < 1 inside the ellipsoid with these centre and semi-axes (sparse grids)."""
+    return sum(((grids[axis] - float(centre[axis])) / float(radii[axis])) ** 2 for axis in range(3))
 
 
-def _blob_distance(rng: np.random.Generator, grids, centre, radius: float) -> np.ndarray:
-    """Normalised distance to an irregular sphere: its radius varies smoothly with direction."""
-    offsets = [grids[axis] - centre[axis] for axis in range(3)]
-    distance = np.sqrt(sum(offset**2 for offset in offsets)) + 1e-6
+def _blob_distance(rng: np.random.Generator, offsets, radius: float) -> np.ndarray:
+    """Normalised distance to an irregular sphere whose radius varies smoothly with direction.
+
+    ``offsets`` are sparse grids of the positions relative to the centre.
+    """
+    distance = np.sqrt(sum(offset**2 for offset in offsets)) + np.float32(1e-6)
     wobble = np.zeros_like(distance)
     for _ in range(3):
         direction = rng.normal(size=3)
         direction /= np.linalg.norm(direction)
         cosine = sum(float(direction[axis]) * offsets[axis] for axis in range(3)) / distance
-        wobble += np.sin(rng.uniform(2, 4) * cosine + rng.uniform(0, 2 * np.pi))
-    return distance / (radius * (1.0 + 0.12 * wobble))
+        wobble += np.sin(float(rng.uniform(2, 4)) * cosine + float(rng.uniform(0, 2 * np.pi)))
+    return distance / (np.float32(radius) * (1.0 + _WOBBLE * wobble))
 
 
 def synthesize_case(shape: tuple[int, int, int], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
     """One phantom: an int16 (X, Y, Z, 4) image and a uint8 (X, Y, Z) label with values 0..3."""
+    # Sparse grids: per-axis arrays broadcast on use, so only the results are full volumes.
     grids = np.meshgrid(*(np.arange(edge, dtype=np.float32) for edge in shape), indexing="ij", sparse=True)
-    grids = tuple(np.broadcast_to(grid, shape) for grid in grids)
     extent = np.array(shape, dtype=np.float64)
     smallest = float(extent.min())
 
@@ -235,6 +240,7 @@ def synthesize_case(shape: tuple[int, int, int], rng: np.random.Generator) -> tu
     brain_distance = _ellipsoid_distance(grids, head_centre, brain_radii)
     brain = brain_distance < 1
     white = brain_distance < 0.55  # a cortex of grey matter around white matter
+    del brain_distance
     ventricles = np.zeros(shape, dtype=bool)
     for side in (-1, 1):
         centre = head_centre + np.array([side * 0.12, 0.02, 0.05]) * brain_radii
@@ -242,18 +248,27 @@ def synthesize_case(shape: tuple[int, int, int], rng: np.random.Generator) -> tu
         ventricles |= _ellipsoid_distance(grids, centre, np.maximum(radii, 0.8)) < 1
 
     # Tumour: edema around a core of non-enhancing tumour inside an enhancing rim, inside the brain.
+    # Computed in the tumour's bounding box only.
     direction = rng.normal(size=3)
     direction /= np.linalg.norm(direction)
     tumour_centre = head_centre + direction * rng.uniform(0.0, 0.55) * brain_radii
     core_radius = max(1.5, rng.uniform(0.10, 0.17) * smallest)
-    edema = _blob_distance(rng, grids, tumour_centre, core_radius * rng.uniform(1.5, 2.1)) < 1
-    core = _blob_distance(rng, grids, tumour_centre, core_radius) < 1
-    necrotic = _blob_distance(rng, grids, tumour_centre, core_radius * rng.uniform(0.4, 0.65)) < 1
+    edema_radius = core_radius * rng.uniform(1.5, 2.1)
+    reach = int(np.ceil(edema_radius * (1 + 3 * _WOBBLE))) + 1
+    low = np.clip(np.floor(tumour_centre).astype(int) - reach, 0, shape)
+    high = np.clip(np.floor(tumour_centre).astype(int) + reach + 1, 0, shape)
+    box = tuple(slice(int(start), int(stop)) for start, stop in zip(low, high))
+    offsets = np.meshgrid(*(np.arange(start, stop, dtype=np.float32) - np.float32(tumour_centre[axis])
+                            for axis, (start, stop) in enumerate(zip(low, high))), indexing="ij", sparse=True)
+    edema = _blob_distance(rng, offsets, edema_radius) < 1
+    core = _blob_distance(rng, offsets, core_radius) < 1
+    necrotic = _blob_distance(rng, offsets, core_radius * rng.uniform(0.4, 0.65)) < 1
 
     label = np.zeros(shape, dtype=np.uint8)
-    label[edema & brain] = 1
-    label[core & brain] = 3
-    label[necrotic & brain] = 2
+    label_box, brain_box = label[box], brain[box]  # views: writing label_box writes label
+    label_box[edema & brain_box] = 1
+    label_box[core & brain_box] = 3
+    label_box[necrotic & brain_box] = 2
 
     means = np.array(list(_TISSUE_MEANS.values()), dtype=np.float32)  # (tissues, 4)
     index = {name: position for position, name in enumerate(_TISSUE_MEANS)}
@@ -269,9 +284,9 @@ def synthesize_case(shape: tuple[int, int, int], rng: np.random.Generator) -> tu
     bias = 1.0 + 0.08 * _smooth_field(rng, grids, scale=smallest)
     texture = 1.0 + 0.05 * _smooth_field(rng, grids, scale=smallest / 4, waves=4)
     for channel in range(4):
-        gain = rng.uniform(0.85, 1.2)
+        gain = float(rng.uniform(0.85, 1.2))
         volume = means[:, channel][tissue_index] * texture * bias * gain
-        volume += rng.normal(0.0, _NOISE_SIGMA, size=shape).astype(np.float32)
+        volume += rng.standard_normal(size=shape, dtype=np.float32) * np.float32(_NOISE_SIGMA)
         volume = np.where(head, np.clip(volume, 1, 32767), 0)
         image[..., channel] = np.rint(volume).astype(np.int16)
     return image, label
