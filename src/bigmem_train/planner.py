@@ -49,9 +49,10 @@ LOSS_KEPT_TENSORS = 7
 # Adam keeps two float32 slots (first and second moment) per trainable weight.
 ADAM_SLOTS = 2
 
-# Volume shape of an MSD Task01 case (X, Y, Z) and its 4 contrasts, as read before cropping.
-DECATHLON_VOLUME = (240, 240, 155)
-DECATHLON_CONTRASTS = 4
+# A reader (data.prepare_case) holds the crop as read, the float32 image and label, and a flipped copy.
+READER_COPIES = 3
+# Readers assumed for data.parallel_reads "auto" (tf.data AUTOTUNE).
+PARALLEL_READS_AUTO = 4
 
 
 # --------------------------------------------------------------------------------------------------
@@ -275,16 +276,11 @@ def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int
 
 def _input_pipeline_bytes(config: Config, batch: int, shape: tuple[int, int, int]) -> int:
     """Batches in flight (the one in the step, the one being assembled, the prefetched ones) and the
-    volumes being decoded (all contrasts, float32, before cropping)."""
-    voxels = math.prod(shape)
-    batch_bytes = batch * voxels * (config.num_channels + 1) * 4
+    samples the parallel readers are preparing (the crop as read, the float32 image and label)."""
+    sample_bytes = math.prod(shape) * (config.num_channels + 1) * 4
     batches = config.data.prefetch_batches + 2
-    if config.data.source == "decathlon":
-        volume = math.prod(DECATHLON_VOLUME) * DECATHLON_CONTRASTS * 4
-    else:
-        volume = math.prod(config.data.synthetic_shape) * DECATHLON_CONTRASTS * 4
-    readers = 4 if config.data.parallel_reads == "auto" else config.data.parallel_reads
-    return batches * batch_bytes + readers * volume
+    readers = PARALLEL_READS_AUTO if config.data.parallel_reads == "auto" else config.data.parallel_reads
+    return batches * batch * sample_bytes + readers * READER_COPIES * sample_bytes
 
 
 def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Calibration,
@@ -588,7 +584,7 @@ def plan_command(config: Config, as_json: bool, calibrate: bool) -> int:
     from .host import read_host_facts
 
     if calibrate:
-        from .calibration import calibrate as run_calibration
+        from .calibration import calibrate as run_calibration  # imports nothing heavy; children train
 
         path = run_calibration(config, log=None if as_json else print)
         if not as_json:

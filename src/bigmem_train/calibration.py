@@ -1,0 +1,207 @@
+"""Measure real peak memory of a few training steps, and fit the planner's two machine constants.
+
+``measure_peak(config)`` runs the job in a child process (``python -m bigmem_train.calibration``):
+TensorFlow is imported there, the model is built by ``model.compile_model``, ``model.fit`` runs a few
+steps on random data of the right shape held in memory (one batch, repeated), and the child reports its
+peak resident memory (``VmHWM``). One config per process, so nothing of one run inflates the next.
+
+``calibrate()`` measures small jobs and fits, by least squares, measured = runtime baseline +
+workspace factor * (largest layer input + output) + everything else the planner derives from the model;
+it writes the constants to ``~/.cache/bigmem-train/calibration.json`` (or ``$BIGMEM_CALIBRATION``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .config import Config, load_config
+from .errors import BadInput
+from .planner import Calibration, breakdown_for, calibration_path_for_user, layer_table
+
+# Small jobs the constants are fitted on: a few seconds a step on two cores, spanning 1..4 channels,
+# depths 3..4 and a range of sizes so the intercept (baseline) and the slope (workspace) separate.
+CALIBRATION_JOBS: list[dict[str, Any]] = [
+    {"shape": (32, 32, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (64, 64, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (64, 64, 64), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
+    {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 4},
+]
+
+
+def job_config(base: Config, shape, batch: int, filters: int, depth: int, channels: int,
+               precision: str = "float32") -> Config:
+    """``base`` with this job's shape, batch, filters, depth, channels and precision."""
+    data = base.model_dump()
+    data["data"]["input_shape"] = tuple(shape)
+    data["data"]["channels"] = list(range(channels))
+    data["training"]["batch_size"] = batch
+    data["model"]["base_filters"] = filters
+    data["model"]["depth"] = depth
+    data["runtime"]["precision"] = precision
+    data["footprint"]["target"] = None
+    return Config.model_validate(data)
+
+
+def in_memory_input_bytes(config: Config) -> int:
+    """What the measuring child's input holds: one batch of images and labels (float32), as a tensor."""
+    return config.training.batch_size * config.voxels_per_sample * (config.num_channels + 1) * 4
+
+
+def predicted_for_measurement(config: Config, calibration: Calibration) -> dict[str, int]:
+    """The planner's breakdown for the measuring child (its input is one in-memory batch, not a reader)."""
+    breakdown = breakdown_for(config, layer_table(config), calibration, config.training.batch_size,
+                              tuple(config.data.input_shape))
+    breakdown["input_pipeline"] = in_memory_input_bytes(config)
+    return breakdown
+
+
+def measure_peak(config: Config, steps: int = 3, timeout: float = 1800) -> dict[str, Any]:
+    """Run ``steps`` training steps of ``config`` in a child process; return its measured peak RSS etc."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "bigmem_train.calibration", "--measure", str(steps)],
+        input=config.model_dump_json(), capture_output=True, text=True, env=env, timeout=timeout,
+    )
+    if result.returncode != 0:
+        tail = result.stderr.strip().splitlines()[-3:]
+        raise BadInput(f"measuring child failed (exit {result.returncode}): {' | '.join(tail)}")
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    measured["wall_seconds"] = round(time.monotonic() - started, 1)
+    return measured
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> None:
+    """Reset this process's VmHWM to its current RSS (Linux clear_refs 5), to see each step's own peak."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
+    """The child's side: build, compile and fit on one random in-memory batch; report VmHWM."""
+    import numpy as np
+
+    rss_start = _status_bytes("VmRSS")
+    import tensorflow as tf
+
+    from .model import compile_model
+
+    tf.keras.utils.set_random_seed(config.training.seed)
+    model = compile_model(config)
+    rss_model = _status_bytes("VmRSS")
+    batch, shape, channels = config.training.batch_size, config.data.input_shape, config.num_channels
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((batch, *shape, channels), dtype=np.float32)
+    labels = (rng.random((batch, *shape, 1), dtype=np.float32) > 0.9).astype(np.float32)
+    if config.model.output_classes > 1:
+        labels = rng.integers(0, config.model.output_classes, (batch, *shape, 1)).astype(np.float32)
+    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
+    del images, labels  # The dataset holds its own copy.
+    rss_data = _status_bytes("VmRSS")
+    seconds, step_peaks = [], []
+    overall = [_status_bytes("VmHWM")]
+
+    class StepTimer(tf.keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch_index, logs=None):
+            _reset_peak()
+            self.start = time.monotonic()
+
+        def on_train_batch_end(self, batch_index, logs=None):
+            seconds.append(time.monotonic() - self.start)
+            step_peaks.append(_status_bytes("VmHWM"))
+
+    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[StepTimer()])
+    return {
+        "peak_rss_bytes": max(overall + step_peaks + [_status_bytes("VmHWM")]),
+        "step_peak_bytes": step_peaks,
+        "rss_start_bytes": rss_start,
+        "rss_model_bytes": rss_model,
+        "rss_data_bytes": rss_data,
+        "rss_end_bytes": _status_bytes("VmRSS"),
+        "step_seconds": [round(value, 2) for value in seconds],
+        "tensorflow": tf.__version__,
+    }
+
+
+def fit_constants(samples: list[tuple[Config, int]]) -> tuple[int, float]:
+    """Least squares of measured - (everything but baseline and workspace) = baseline + factor * reference."""
+    zero = Calibration(runtime_baseline_bytes=0, workspace_factor=0.0)
+    unit = Calibration(runtime_baseline_bytes=0, workspace_factor=1.0)
+    xs, ys = [], []
+    for config, measured in samples:
+        rest = sum(predicted_for_measurement(config, zero).values())
+        reference = sum(predicted_for_measurement(config, unit).values()) - rest
+        xs.append(reference)
+        ys.append(measured - rest)
+    count = len(xs)
+    mean_x, mean_y = sum(xs) / count, sum(ys) / count
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    factor = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
+    factor = max(0.0, factor)
+    baseline = mean_y - factor * mean_x
+    return int(baseline), round(factor, 4)
+
+
+def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = None,
+              log: Callable[[str], None] | None = print, path: Path | None = None) -> Path:
+    """Measure ``jobs`` (default ``CALIBRATION_JOBS``), fit the constants, store them; return the file."""
+    base = base or load_config()
+    samples, records = [], []
+    for job in jobs or CALIBRATION_JOBS:
+        config = job_config(base, **job)
+        measured = measure_peak(config)
+        samples.append((config, measured["peak_rss_bytes"]))
+        records.append({**{k: list(v) if isinstance(v, tuple) else v for k, v in job.items()},
+                        "peak_rss_bytes": measured["peak_rss_bytes"],
+                        "rss_model_bytes": measured["rss_model_bytes"]})
+        if log:
+            log(f"  measured {job}: peak {measured['peak_rss_bytes'] / 2**30:.3f} GiB "
+                f"({measured['wall_seconds']} s)")
+    baseline, factor = fit_constants(samples)
+    path = path or (Path(os.environ["BIGMEM_CALIBRATION"]) if os.environ.get("BIGMEM_CALIBRATION")
+                    else calibration_path_for_user())
+    data = {
+        "runtime_baseline_bytes": baseline,
+        "workspace_factor": factor,
+        "measured": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": os.uname().nodename,
+            "cpus": os.cpu_count(),
+            "tensorflow": measured.get("tensorflow"),
+            "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
+            "jobs": records,
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def _main(argv: list[str]) -> int:
+    if argv[:1] == ["--measure"]:
+        config = Config.model_validate_json(sys.stdin.read())
+        steps = int(argv[1]) if len(argv) > 1 else 3
+        print(json.dumps(_measure_in_this_process(config, steps)))
+        return 0
+    print("usage: python -m bigmem_train.calibration --measure STEPS < config.json", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

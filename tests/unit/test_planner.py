@@ -1,0 +1,222 @@
+"""The planner: memory model rules, sizing to a target, NUMA placement on recorded hosts (no TensorFlow)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bigmem_train import planner
+from bigmem_train.config import load_config
+from bigmem_train.host import read_host_facts
+from bigmem_train.planner import (
+    BREAKDOWN_KEYS,
+    Calibration,
+    Placement,
+    breakdown_for,
+    decide_placement,
+    plan_job,
+)
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+GIB = 1024**3
+CALIBRATION = Calibration(runtime_baseline_bytes=600 * 1024**2, workspace_factor=1.5, source="test")
+
+
+def recorded_table(name: str) -> list[dict]:
+    return json.loads((FIXTURES / "layer_tables" / f"{name}.json").read_text())["table"]
+
+
+@pytest.fixture
+def tables(monkeypatch):
+    """Serve recorded layer tables (built once from the Keras model) instead of building the model."""
+    def fake_layer_table(config):
+        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_float32"
+        table = recorded_table(name)
+        if config.runtime.precision == "mixed_bfloat16":
+            # What Keras reports under mixed_bfloat16: layers compute in bfloat16 except the float32 output.
+            for row in table:
+                if row["name"] != "segmentation" and row["kind"] != "InputLayer":
+                    row["dtype"] = row["kernel_dtype"] = "bfloat16"
+        return table
+
+    monkeypatch.setattr(planner, "layer_table", fake_layer_table)
+    monkeypatch.setattr(planner, "load_calibration", lambda: CALIBRATION)
+
+
+def study(**overrides):
+    return load_config("study", overrides)
+
+
+def host(name: str):
+    return read_host_facts(FIXTURES / "hosts" / name)
+
+
+def test_breakdown_has_every_component(tables):
+    breakdown = planner.estimate(study(), CALIBRATION)
+    assert tuple(breakdown) == BREAKDOWN_KEYS
+    assert all(value >= 0 for value in breakdown.values())
+    assert breakdown["runtime_baseline"] == CALIBRATION.runtime_baseline_bytes
+
+
+def test_weights_gradients_and_adam_slots_follow_the_parameter_count(tables):
+    table = recorded_table("unet_depth4_filters16_float32")
+    trainable = sum(row["trainable_params"] for row in table)
+    breakdown = planner.estimate(study(), CALIBRATION)
+    assert breakdown["gradients"] == 4 * trainable
+    assert breakdown["optimizer_slots"] == 8 * trainable
+
+
+def test_kept_tensors_follow_the_gradient_rules():
+    # depth 3, 8 filters, one 16^3 sample: count what the rules keep at full resolution.
+    table = recorded_table("unet_depth3_filters8_float32")
+    kept, transient = planner._kept_tensors(table, 1, (16, 16, 16), recompute=False)
+    voxels = 16**3
+    assert transient == 0
+    assert kept["volume"] == voxels * 4  # the input, kept by the first convolution
+    assert kept["down0_conv1"] == voxels * 8 * 4  # batch norm keeps its input
+    assert kept["down0_relu2"] == voxels * 8 * 4  # ReLU keeps its output (also the skip)
+    assert kept["up0_concat"] == voxels * 16 * 4  # the convolution after it keeps its input
+    assert "down0_bn1" not in kept  # batch norm's output is transient
+    assert kept["pool0"] == voxels // 8 * 8 * 4  # max pooling keeps its output
+    assert kept["segmentation"] == voxels * 4  # sigmoid keeps its output
+
+
+def test_activations_scale_with_batch_and_voxels(tables):
+    shape = {"data.input_shape": [160, 160, 144]}
+    one = planner.estimate(study(**shape, **{"training.batch_size": 1}), CALIBRATION)["activations"]
+    two = planner.estimate(study(**shape, **{"training.batch_size": 2}), CALIBRATION)["activations"]
+    half = planner.estimate(study(**{"training.batch_size": 1, "data.input_shape": [160, 80, 144]}),
+                            CALIBRATION)["activations"]
+    assert two == 2 * one
+    assert half * 2 == one
+
+
+def test_study_job_is_about_a_kilobyte_per_voxel(tables):
+    plan = plan_job(study(), host=None, calibration=CALIBRATION)
+    voxels = 16 * 240 * 240 * 144
+    assert 700 < plan.breakdown["activations"] / voxels < 1400
+    assert 80 * GIB < plan.peak_bytes < 400 * GIB
+
+
+def test_mixed_bfloat16_keeps_less_but_not_half(tables):
+    f32 = planner.estimate(study(), CALIBRATION)["activations"]
+    bf16 = planner.estimate(study(**{"runtime.precision": "mixed_bfloat16"}), CALIBRATION)["activations"]
+    # Batch norm keeps a float32 copy of its input, so the saving is well short of 2x.
+    assert 0.5 * f32 < bf16 < 0.9 * f32
+
+
+def test_recompute_keeps_only_block_boundaries(tables):
+    full = planner.estimate(study(), CALIBRATION)
+    recomputed = planner.estimate(study(**{"model.recompute": True}), CALIBRATION)
+    assert recomputed["activations"] < 0.7 * full["activations"]
+    assert recomputed["workspace"] > full["workspace"]  # one block is rebuilt during backward
+    assert sum(recomputed.values()) < sum(full.values())
+
+
+@pytest.mark.parametrize("resize", ["batch", "shape", "both"])
+def test_sizing_reaches_the_target_from_below(tables, resize):
+    target = 64 * GIB
+    config = study(**{"footprint.target": "64GiB", "footprint.resize": resize})
+    plan = plan_job(config, host=None, calibration=CALIBRATION)
+    assert plan.target_bytes == target
+    assert plan.peak_bytes <= target
+    assert plan.peak_bytes > 0.85 * target
+    assert all(edge % 16 == 0 for edge in plan.config.data.input_shape)
+    if resize == "batch":
+        assert tuple(plan.config.data.input_shape) == (240, 240, 144)
+        bigger = planner.with_job_size(plan.config, plan.config.training.batch_size + 1, (240, 240, 144))
+        assert sum(planner.estimate(bigger, CALIBRATION).values()) > target
+    if resize == "shape":
+        assert plan.config.training.batch_size == 16
+    if resize == "both":
+        assert all(a <= b for a, b in zip(plan.config.data.input_shape, (240, 240, 144)))
+
+
+def test_share_of_host_target_uses_the_cgroup_limit(tables):
+    config = study(**{"footprint.target": "80%", "footprint.resize": "batch", "data.input_shape": [128, 128, 96]})
+    plan = plan_job(config, host("one_node_cgroup2"), calibration=CALIBRATION)
+    assert plan.target_bytes == int(8 * GIB * 0.8)
+    assert plan.peak_bytes <= plan.target_bytes
+
+
+def test_target_below_the_smallest_job_gives_batch_one(tables):
+    plan = plan_job(study(**{"footprint.target": "1GiB", "footprint.resize": "batch"}), None, CALIBRATION)
+    assert plan.config.training.batch_size == 1
+    assert plan.peak_bytes > plan.target_bytes  # preflight refuses it
+
+
+def test_plan_to_dict_has_bytes_and_gib(tables):
+    data = plan_job(study(), host("two_node_cgroup1"), CALIBRATION).to_dict()
+    assert data["breakdown"]["activations"]["bytes"] > 0
+    assert data["breakdown"]["activations"]["gib"] == round(data["breakdown"]["activations"]["bytes"] / GIB, 3)
+    assert data["placement"]["policy"] in {"bind", "interleave", "none"}
+    json.dumps(data)
+
+
+# NUMA placement on recorded layouts.
+
+
+def test_one_node_places_nothing():
+    placement = decide_placement(4 * GIB, host("one_node_cgroup2"), "auto", 0.1)
+    assert placement.policy == "none" and placement.numactl_args() == []
+
+
+def test_two_nodes_small_job_binds_to_the_roomier_node():
+    placement = decide_placement(50 * GIB, host("two_node_cgroup1"), "auto", 0.1)
+    assert placement.policy == "bind" and placement.nodes == [1]
+    assert placement.cpus == list(range(16, 32))
+    assert placement.numactl_args() == ["numactl", "--membind=1", "--cpunodebind=1"]
+
+
+def test_two_nodes_large_job_interleaves():
+    placement = decide_placement(120 * GIB, host("two_node_cgroup1"), "auto", 0.1)
+    assert placement.policy == "interleave" and placement.nodes == [0, 1]
+    assert placement.numactl_args() == ["numactl", "--interleave=all"]
+
+
+def test_four_nodes_never_bind_to_memory_only_nodes():
+    cxl = host("four_node_cxl_cgroup2")
+    # 300 GiB fits a CXL node (500 GiB) but no node with CPUs (240/245 GiB): interleave over the CPU nodes.
+    placement = decide_placement(300 * GIB, cxl, "auto", 0.1)
+    assert placement.policy == "interleave" and placement.nodes == [0, 1]
+    assert placement.numactl_args() == ["numactl", "--interleave=0,1"]
+    small = decide_placement(100 * GIB, cxl, "auto", 0.1)
+    assert small.policy == "bind" and small.nodes == [1] and small.cpus == list(range(32, 64))
+
+
+def test_four_nodes_huge_job_interleaves_over_cxl_too():
+    placement = decide_placement(1000 * GIB, host("four_node_cxl_cgroup2"), "auto", 0.1)
+    assert placement.policy == "interleave" and placement.nodes == [0, 1, 2, 3]
+    assert placement.cpus == list(range(64))
+    assert "memory-only" in placement.reason
+    assert placement.numactl_args() == ["numactl", "--interleave=all"]
+
+
+def test_cpu_less_pmem_node_is_only_interleaved():
+    pmem = host("two_node_pmem_cgroup1")
+    assert decide_placement(10 * GIB, pmem, "auto", 0.1).nodes == [0]
+    big = decide_placement(60 * GIB, pmem, "auto", 0.1)
+    assert big.policy == "interleave" and big.nodes == [0, 1]
+
+
+def test_policies_requested_by_the_config():
+    two = host("two_node_cgroup1")
+    assert decide_placement(10 * GIB, two, "interleave", 0.1).policy == "interleave"
+    assert decide_placement(10 * GIB, two, "none", 0.1).policy == "none"
+    refused_bind = decide_placement(150 * GIB, two, "bind", 0.1)
+    assert refused_bind.policy == "interleave" and "bind requested" in refused_bind.reason
+
+
+def test_plan_records_the_placement(tables):
+    plan = plan_job(study(**{"training.batch_size": 4}), host("two_node_cgroup1"), CALIBRATION)
+    assert isinstance(plan.placement, Placement)
+    assert plan.placement.policy == "bind"
+    assert plan.to_dict()["placement"]["numactl"][0] == "numactl"
+
+
+def test_breakdown_for_is_pure_arithmetic():
+    config = study()
+    table = recorded_table("unet_depth4_filters16_float32")
+    first = breakdown_for(config, table, CALIBRATION, 2, (64, 64, 48))
+    again = breakdown_for(config, table, CALIBRATION, 2, (64, 64, 48))
+    assert first == again

@@ -1,0 +1,109 @@
+"""Preflight: refuse a plan that cannot fit, with one actionable message; the CLI's exit code 3."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from bigmem_train import planner, preflight
+from bigmem_train.config import load_config
+from bigmem_train.errors import DoesNotFit
+from bigmem_train.host import read_host_facts
+from bigmem_train.planner import Calibration, plan_job
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+GIB = 1024**3
+CALIBRATION = Calibration(runtime_baseline_bytes=600 * 1024**2, workspace_factor=1.5, source="test")
+
+
+@pytest.fixture(autouse=True)
+def recorded_tables(monkeypatch):
+    def fake_layer_table(config):
+        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_float32"
+        return json.loads((FIXTURES / "layer_tables" / f"{name}.json").read_text())["table"]
+
+    for module in (planner, preflight):
+        monkeypatch.setattr(module, "layer_table", fake_layer_table)
+        monkeypatch.setattr(module, "load_calibration", lambda: CALIBRATION)
+
+
+def host(name: str):
+    return read_host_facts(FIXTURES / "hosts" / name)
+
+
+def test_study_job_is_refused_in_a_small_container_with_an_actionable_message():
+    small = host("one_node_cgroup2")
+    plan = plan_job(load_config("study"), small, CALIBRATION)
+    started = time.monotonic()
+    with pytest.raises(DoesNotFit) as refused:
+        preflight.check_fits(plan, small)
+    assert time.monotonic() - started < 5
+    message = str(refused.value)
+    assert "predicted peak" in message and "GiB" in message
+    assert "cgroup v2 limit 8589934592 B (8.00 GiB)" in message
+    assert "10% safety margin" in message
+    assert "not even batch 1 fits at 240x240x144" in message
+    assert "largest input shape that fits at batch 1" in message
+    assert refused.value.exit_code == 3
+
+
+def test_a_job_that_fits_passes():
+    big = host("four_node_cxl_cgroup2")
+    plan = plan_job(load_config("study"), big, CALIBRATION)
+    preflight.check_fits(plan, big)  # no exception
+
+
+def test_largest_batch_suggested_really_fits():
+    small = host("two_node_cgroup1")
+    config = load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": 64})
+    plan = plan_job(config, small, CALIBRATION)
+    with pytest.raises(DoesNotFit):
+        preflight.check_fits(plan, small)
+    usable = preflight.usable_bytes(plan, small)
+    batch, shape = preflight.largest_fitting(plan, usable)
+    assert batch >= 1
+    fitting = plan_job(load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": batch}),
+                       small, CALIBRATION)
+    preflight.check_fits(fitting, small)
+
+
+def test_static_hugepages_are_not_available_to_the_job():
+    pmem = host("two_node_pmem_cgroup1")
+    config = load_config("study", {"data.input_shape": [240, 240, 144], "training.batch_size": 64})
+    with pytest.raises(DoesNotFit) as refused:
+        preflight.check_fits(plan_job(config, pmem, CALIBRATION), pmem)
+    assert "static hugepages" in str(refused.value)
+
+
+def test_bound_plan_is_checked_against_its_node():
+    two = host("two_node_cgroup1")
+    plan = plan_job(load_config("study", {"training.batch_size": 4}), two, CALIBRATION)
+    assert plan.placement.policy == "bind"
+    node = {n.node_id: n for n in two.numa_nodes}[plan.placement.nodes[0]]
+    assert preflight.usable_bytes(plan, two) == int(min(node.memory_available_bytes, two.effective_memory_bytes) * 0.9)
+
+
+def test_preflight_command_prints_host_facts_and_exits_3(monkeypatch, capsys):
+    from bigmem_train import cli
+
+    monkeypatch.setattr(preflight, "read_host_facts", lambda: host("one_node_cgroup2"))
+    code = cli.main(["preflight", "--config", "study"])
+    captured = capsys.readouterr()
+    assert code == 3
+    for fact in ("memory total", "memory available", "cgroup limit", "swap", "transparent hugepages",
+                 "static hugepages", "NUMA nodes", "node 0"):
+        assert fact in captured.out
+    assert "predicted peak" in captured.err
+
+
+def test_preflight_command_json(monkeypatch, capsys):
+    from bigmem_train import cli
+
+    monkeypatch.setattr(preflight, "read_host_facts", lambda: host("four_node_cxl_cgroup2"))
+    code = cli.main(["preflight", "--config", "study", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["fits"] is True
+    assert [node["cpus"] for node in data["host"]["numa_nodes"]] == [32, 32, 0, 0]
+    assert data["host"]["cgroup_limit"]["gib"] == 1536.0
+    assert data["plan"]["placement"]["policy"] in {"bind", "interleave"}
