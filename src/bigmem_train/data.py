@@ -313,6 +313,21 @@ def _zscore_brain(image: np.ndarray) -> None:
         values[brain] = (inside - mean) / (std if std > 1e-6 else 1.0)
 
 
+def bad_input_from(error: BaseException) -> BadInput | None:
+    """Recover the :class:`BadInput` a volume read raised inside ``tf.data`` from TensorFlow's wrapping.
+
+    TensorFlow re-raises it as ``tf.errors.UnknownError`` whose text holds ``BadInput: <path>: ...``;
+    this returns that one line as a :class:`BadInput`, or None for any other error.
+    """
+    text = str(error)
+    marker = "BadInput: "
+    if isinstance(error, BadInput):
+        return error
+    if marker not in text:
+        return None
+    return BadInput(text.split(marker, 1)[1].splitlines()[0].strip())
+
+
 def make_datasets(config: Config, train_cases: list[Case], validation_cases: list[Case]) -> Datasets:
     """Build the training and validation ``tf.data`` pipelines and their steps per epoch.
 

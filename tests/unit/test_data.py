@@ -10,6 +10,7 @@ import pytest
 
 from bigmem_train.data import (
     Case,
+    bad_input_from,
     check_dataset,
     make_datasets,
     prepare_case,
@@ -274,3 +275,17 @@ def test_make_datasets_batches_and_steps(tmp_path):
     datasets = make_datasets(config, train_cases, validation_cases)
     assert datasets.train_steps == 5 and datasets.validation_steps == 1
     assert [batch[0].shape[0] for batch in datasets.validation] == [2]  # the last batch is kept
+
+
+def test_corrupt_file_in_the_pipeline_names_the_path(tmp_path):
+    folder = write_dataset(tmp_path / "d", [phantom(seed=seed) for seed in range(3)])
+    config = small_config(folder, channels="all")
+    cases = check_dataset(config)
+    content = cases[2].image.read_bytes()
+    cases[2].image.write_bytes(content[: len(content) // 2])
+    datasets = make_datasets(config, cases[:2], cases[2:])
+    with pytest.raises(Exception) as raised:
+        list(datasets.validation)
+    recovered = bad_input_from(raised.value)
+    assert recovered is not None and str(cases[2].image) in str(recovered) and "\n" not in str(recovered)
+    assert bad_input_from(ValueError("other")) is None
