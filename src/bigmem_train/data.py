@@ -277,7 +277,9 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
     label_file = _load_header(case.label)
     try:
         label_slices = source_slices if len(label_file.shape) == 3 else (*source_slices, 0)
-        values = np.rint(np.asanyarray(label_file.dataobj[label_slices]))
+        values = np.asanyarray(label_file.dataobj[label_slices])
+        if not np.issubdtype(values.dtype, np.integer):
+            values = np.rint(values)
     except _READ_ERRORS as error:
         raise BadInput(f"{case.label}: cannot be read ({error})") from None
     if values.shape != tuple(length for _, _, length in placements):
@@ -310,7 +312,10 @@ def _zscore_brain(image: np.ndarray) -> None:
         inside = values[brain]
         mean = float(inside.mean(dtype=np.float64))
         std = float(inside.std(dtype=np.float64))
-        values[brain] = (inside - mean) / (std if std > 1e-6 else 1.0)
+        # In place: a full-size volume makes every temporary tens of megabytes.
+        inside -= np.float32(mean)
+        inside /= np.float32(std if std > 1e-6 else 1.0)
+        values[brain] = inside
 
 
 def bad_input_from(error: BaseException) -> BadInput | None:
