@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -122,6 +123,8 @@ def load_job_config(args: argparse.Namespace) -> Config:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # TensorFlow's C++ start-up chatter (CUDA probes on a CPU host) hides the job's own output.
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     parser = build_parser()
     if not argv or argv[0].startswith("-") and argv[0] not in {"-h", "--help", "--version"}:
         argv = ["run", *argv]

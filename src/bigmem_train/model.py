@@ -12,25 +12,34 @@ from keras import layers, ops
 from .config import Config, ModelConfig
 
 
-def _conv_block(x, filters: int, batch_norm: bool, name: str):
+def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool = False):
     for index in (1, 2):
         x = layers.Conv3D(filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}")(x)
         if batch_norm:
-            x = layers.BatchNormalization(name=f"{name}_bn{index}")(x)
+            # Momentum 0.9 rather than Keras' 0.99: with batches of 1-16 volumes and runs of tens to
+            # hundreds of steps, the moving statistics used for validation must catch up quickly.
+            x = layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name=f"{name}_bn{index}")(x)
         x = layers.Activation("relu", name=f"{name}_relu{index}")(x)
     return x
 
 
-def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], channels: int) -> keras.Model:
-    """Build the 3D U-Net for volumes of ``input_shape`` (X, Y, Z) with ``channels`` channels last."""
+def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], channels: int,
+               synchronized_batch_norm: bool = False) -> keras.Model:
+    """Build the 3D U-Net for volumes of ``input_shape`` (X, Y, Z) with ``channels`` channels last.
+
+    ``synchronized_batch_norm``: batch statistics over the global batch of all workers (multi-worker
+    training), so every worker normalises alike and keeps the same moving averages.
+    """
     inputs = keras.Input(shape=(*input_shape, channels), name="volume")
     x = inputs
     skips = []
     for level in range(model_config.depth):
-        x = _conv_block(x, model_config.base_filters * 2**level, model_config.batch_norm, f"down{level}")
+        x = _conv_block(x, model_config.base_filters * 2**level, model_config.batch_norm, f"down{level}",
+                        synchronized_batch_norm)
         skips.append(x)
         x = layers.MaxPooling3D(2, name=f"pool{level}")(x)
-    x = _conv_block(x, model_config.base_filters * 2**model_config.depth, model_config.batch_norm, "bottom")
+    x = _conv_block(x, model_config.base_filters * 2**model_config.depth, model_config.batch_norm, "bottom",
+                    synchronized_batch_norm)
     for level in reversed(range(model_config.depth)):
         filters = model_config.base_filters * 2**level
         if model_config.upsampling == "transpose":
@@ -38,7 +47,7 @@ def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], cha
         else:
             x = layers.UpSampling3D(2, name=f"up{level}_resize")(x)
         x = layers.Concatenate(axis=-1, name=f"up{level}_concat")([x, skips[level]])
-        x = _conv_block(x, filters, model_config.batch_norm, f"up{level}")
+        x = _conv_block(x, filters, model_config.batch_norm, f"up{level}", synchronized_batch_norm)
     activation = "sigmoid" if model_config.output_classes == 1 else "softmax"
     # The output stays float32 under mixed precision so the loss is computed in full precision.
     outputs = layers.Conv3D(
@@ -96,7 +105,8 @@ def compile_model(config: Config) -> keras.Model:
     """Build and compile the configured U-Net (Adam, the study's loss, soft and hard Dice)."""
     if config.runtime.precision != "float32":
         keras.mixed_precision.set_global_policy(config.runtime.precision)
-    model = build_unet(config.model, config.data.input_shape, config.num_channels)
+    model = build_unet(config.model, config.data.input_shape, config.num_channels,
+                       synchronized_batch_norm=config.training.strategy == "multi_worker")
     model.compile(
         optimizer=keras.optimizers.Adam(config.training.learning_rate),
         loss=make_loss(config.training.dice_weight),

@@ -227,6 +227,7 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
             validation_data=datasets.validation,
             validation_steps=datasets.validation_steps,
             callbacks=callbacks,
+            shuffle=False,  # the tf.data pipeline shuffles cases itself
             verbose=progress_bar if is_chief else 0,
         )
     session_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
