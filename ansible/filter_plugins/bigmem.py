@@ -33,6 +33,13 @@ def bigmem_gib(num_bytes):
     return sizes.gib(int(num_bytes))
 
 
+def bigmem_sysfs_value(text):
+    """The value a sysfs file holds: the bracketed choice of ``always [madvise] never``, else the trimmed text."""
+    text = str(text)
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else text.strip()
+
+
 def _same(wanted, current):
     # Redfish returns typed values; inventory values may arrive as strings ("16" vs 16).
     return wanted == current or str(wanted) == str(current)
@@ -69,6 +76,7 @@ class FilterModule:
         return {
             "bigmem_size_bytes": bigmem_size_bytes,
             "bigmem_gib": bigmem_gib,
+            "bigmem_sysfs_value": bigmem_sysfs_value,
             "bigmem_changed_items": bigmem_changed_items,
             "bigmem_registry_errors": bigmem_registry_errors,
         }
