@@ -82,6 +82,11 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
     from .preflight import check_fits
 
     host = read_host_facts()
+    # A multi-worker job: check TF_CONFIG now; a non-chief worker writes its own run directory.
+    from .distribute import config_for_this_worker, is_chief
+
+    config = config_for_this_worker(config)
+    chief = config.training.strategy != "multi_worker" or is_chief()
     if config.data.source == "decathlon":
         # Cheap checks on the dataset folder before planning; the full integrity check follows.
         if not Path(config.data.path).is_dir():
@@ -130,7 +135,8 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
             traceback.print_exc()
         raise
     set_state(run_dir, FINISHED)
-    if not validate_and_report:
+    # The chief's run directory is the job's; the other workers' only record their side.
+    if not validate_and_report or not chief:
         print(f"TRAINED {run_dir}")
         return EXIT_PASS
     from .report import write_report
