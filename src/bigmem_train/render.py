@@ -70,6 +70,8 @@ def render(name: str, variables: dict[str, Any], directory: Path | None = None) 
     environment = jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(directory)),
         undefined=jinja2.StrictUndefined,
+        # Ansible's template defaults, so that both render the same text.
+        trim_blocks=True,
         keep_trailing_newline=True,
         autoescape=False,
     )
