@@ -163,6 +163,9 @@ class ValidationConfig(_Section):
 
     # Best validation Dice must reach this floor.
     dice_floor: float = Field(0.5, ge=0.0, le=1.0)
+    # "hard": Dice of the thresholded segmentation (what a reader of the mask sees);
+    # "soft": Dice of the probabilities (the study's training metric, lower while the net is unsure).
+    dice_metric: Literal["hard", "soft"] = "hard"
     # The training loss of the last epoch must be below that of the first.
     require_loss_decrease: bool = True
 

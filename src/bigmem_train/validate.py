@@ -73,12 +73,14 @@ def evaluate(run_dir: Path) -> Verdict:
         detail = (f"training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no training loss recorded")
         criteria.append(Criterion("loss_fell", fell, detail))
 
-    dice = [row["val_dice"] for row in history if "val_dice" in row and math.isfinite(row["val_dice"])]
+    column = "val_hard_dice" if config.validation.dice_metric == "hard" else "val_dice"
+    dice = [row[column] for row in history if column in row and math.isfinite(row[column])]
     best = max(dice) if dice else None
     floor = config.validation.dice_floor
     criteria.append(Criterion(
         "dice_floor", best is not None and best >= floor,
-        f"best validation Dice {best:.4f} vs floor {floor}" if best is not None else "no validation Dice recorded"))
+        f"best validation {config.validation.dice_metric} Dice {best:.4f} vs floor {floor}" if best is not None
+        else f"no validation {config.validation.dice_metric} Dice recorded"))
 
     target = metrics.get("target_bytes")
     if target:

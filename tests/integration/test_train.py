@@ -31,13 +31,13 @@ def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
         assert (run_dir / name).exists(), name
     assert not (run_dir / "backup").exists(), "BackupAndRestore state should be removed after a finished run"
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    assert metrics["best_val_dice"] >= 0.3
+    assert metrics["best_val_hard_dice"] >= 0.3
     assert metrics["final_loss"] < metrics["initial_loss"]
     assert metrics["peak_rss_bytes"] > 200 * 2**20
     assert metrics["voxels_per_second"] > 0 and metrics["median_step_seconds"] > 0
     assert metrics["onednn_enabled"] in (True, False)
     with open(run_dir / "history.csv") as handle:
-        dice = [float(row["val_dice"]) for row in csv.DictReader(handle)]
+        dice = [float(row["val_hard_dice"]) for row in csv.DictReader(handle)]
     assert max(dice[-3:]) > dice[0] + 0.1, f"validation Dice did not clearly rise: {dice}"
     memory_rows = (run_dir / "memory.csv").read_text().splitlines()
     assert memory_rows[0].startswith("time_unix,elapsed_s,rss_bytes,anon_hugepages_bytes")
