@@ -30,6 +30,10 @@ def main() -> None:
     parser.add_argument("--filters", type=int, default=8)
     parser.add_argument("--learning-rate", type=float, default=1e-3)
     parser.add_argument("--jitter", type=int, default=4)
+    # Experiments on the model, not the data: start the sigmoid at a small foreground probability,
+    # and let BatchNormalization's moving statistics follow faster in short runs.
+    parser.add_argument("--output-bias", type=float, default=None, help="initial bias of the output layer")
+    parser.add_argument("--bn-momentum", type=float, default=None, help="BatchNormalization momentum")
     args = parser.parse_args()
     shape = tuple(int(edge) for edge in args.shape.split(","))
     input_shape = tuple(int(edge) for edge in (args.input_shape or args.shape).split(","))
@@ -51,6 +55,12 @@ def main() -> None:
         from bigmem_train.model import compile_model
 
         model = compile_model(config)
+        if args.output_bias is not None:
+            model.get_layer("segmentation").bias.assign([args.output_bias])
+        if args.bn_momentum is not None:
+            for layer in model.layers:
+                if layer.__class__.__name__ == "BatchNormalization":
+                    layer.momentum = args.bn_momentum
         history = model.fit(datasets.train, epochs=args.epochs, steps_per_epoch=datasets.train_steps,
                             validation_data=datasets.validation, validation_steps=datasets.validation_steps,
                             verbose=2)

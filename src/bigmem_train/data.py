@@ -267,7 +267,7 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
     except _READ_ERRORS as error:
         raise BadInput(f"{case.image}: cannot be read ({error})") from None
     if volume.shape[-1] <= max(selection):
-        raise BadInput(f"{case.image}: has {volume.shape[-1]} channel(s); data.channels asks for {selection}")
+        raise BadInput(f"{case.image}: has too few channels for data.channels {config.data.channels}")
     image = np.zeros((*target, len(selection)), dtype=np.float32)
     image[output_slices] = volume[..., selection]
     del volume
