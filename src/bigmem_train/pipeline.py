@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import traceback
 from pathlib import Path
 
 from .config import Config
@@ -131,8 +130,6 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
     except BaseException as error:
         # A killed or failed run stays resumable and never looks finished.
         set_state(run_dir, FAILED, error=f"{type(error).__name__}: {error}"[:2000])
-        if not isinstance(error, (KeyboardInterrupt, SystemExit)):
-            traceback.print_exc()
         raise
     set_state(run_dir, FINISHED)
     # The chief's run directory is the job's; the other workers' only record their side.
