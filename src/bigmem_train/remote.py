@@ -347,7 +347,8 @@ def _start_on(connection: Any, host: RemoteHost, request: StartRequest, config_t
         job["container_id"] = result.stdout.strip()[:12]
     else:
         command = process_command(host.executable, name, request.data_dir, environment)
-        result = _run(connection, f"cd {shlex.quote(folder)} && {command}")
+        # Not `cd && job &`: that would background the list, whose shell holds the SSH channel open.
+        result = _run(connection, f"cd {shlex.quote(folder)} || exit 1\n{command}")
         pid = result.stdout.strip()
         if result.exited != 0 or not pid.isdigit():
             raise BadInput(f"could not start {host.executable} on {host.name}: {result.stderr.strip()}")

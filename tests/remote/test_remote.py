@@ -1,0 +1,169 @@
+"""`bigmem-train remote` against a real sshd on loopback (tests/fixtures/sshd.py), key login only,
+running the real commands: start a tiny job detached (--no-docker), status, logs, stop, fetch; and the
+one-line errors: unknown host, unreachable port, wrong key, no such job."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bigmem_train.remote import load_inventory
+
+from ..fixtures.sshd import free_port
+from .conftest import write_job
+
+EXECUTABLE = Path(sys.executable).with_name("bigmem-train")
+
+
+def remote(*args, inventory, timeout=300):
+    """Run `bigmem-train remote ...` as a user would; returns the CompletedProcess (text)."""
+    environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    return subprocess.run([sys.executable, "-m", "bigmem_train.cli", "remote", *map(str, args),
+                           "--inventory", str(inventory)],
+                          capture_output=True, text=True, timeout=timeout, env=environment)
+
+
+@pytest.fixture
+def inventory(sshd, tmp_path) -> Path:
+    """An Ansible INI inventory: the test sshd as host `lab`, plus hosts that must fail."""
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    # A key path relative to the inventory's folder, as it would travel with the inventory.
+    (keys / "lab_ed25519").write_bytes(sshd.key_file.read_bytes())
+    (keys / "lab_ed25519").chmod(0o600)
+    path = tmp_path / "inventory.ini"
+    path.write_text(f"""\
+[labs]
+lab ansible_host={sshd.host} ansible_port={sshd.port} ansible_ssh_private_key_file=keys/lab_ed25519
+
+[labs:vars]
+ansible_user={sshd.user}
+bigmem_train_remote_dir={tmp_path}/remote
+bigmem_train_executable={EXECUTABLE}
+
+[broken]
+closed-port ansible_host=127.0.0.1 ansible_port={free_port()} ansible_user={sshd.user} ansible_ssh_private_key_file={sshd.key_file}
+wrong-key ansible_host=127.0.0.1 ansible_port={sshd.port} ansible_user={sshd.user} ansible_ssh_private_key_file={sshd.wrong_key_file}
+""")
+    yield path
+    # A failed test must not leave a job training on the shared machine.
+    for job_file in (tmp_path / "remote" / "jobs").glob("*/job.json"):
+        pid = json.loads(job_file.read_text()).get("pid")
+        if pid:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def one_line(result) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def test_inventory_read_with_ansible_semantics(inventory, sshd, tmp_path):
+    parsed = load_inventory(inventory)
+    lab = parsed.host("lab")
+    assert (lab.address, lab.port, lab.user) == (sshd.host, sshd.port, sshd.user)
+    assert lab.key_file == str(tmp_path / "keys" / "lab_ed25519")
+    assert lab.remote_dir == f"{tmp_path}/remote" and lab.executable == str(EXECUTABLE)
+    assert parsed.groups["broken"] == ["closed-port", "wrong-key"]
+    assert [host.name for host in parsed.targets("lab")] == ["lab"]
+
+
+def test_unknown_host_is_bad_input(inventory):
+    result = remote("status", "nowhere", "job", inventory=inventory)
+    assert result.returncode == 2
+    assert "'nowhere' is neither a host nor a group" in one_line(result)
+
+
+def test_closed_port_is_unreachable(inventory):
+    result = remote("status", "closed-port", "job", inventory=inventory)
+    assert result.returncode == 4
+    assert "closed-port" in one_line(result) and "connection refused" in one_line(result)
+
+
+def test_wrong_key_is_refused(inventory, sshd):
+    result = remote("status", "wrong-key", "job", inventory=inventory)
+    assert result.returncode == 4
+    assert f"login refused (key {sshd.wrong_key_file} not accepted" in one_line(result)
+
+
+def test_no_such_job_is_bad_input(inventory):
+    for action in (["status", "lab", "ghost"], ["logs", "lab", "ghost"], ["stop", "lab", "ghost"],
+                   ["fetch", "lab", "ghost", "--to", "fetched"]):
+        result = remote(*action, inventory=inventory)
+        assert result.returncode == 2, action
+        assert "no job named ghost on lab" in one_line(result)
+
+
+def test_bad_config_stops_before_the_host(inventory, tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("training:\n  batch_size: 0\n")
+    result = remote("start", "lab", "--config", config, "--name", "bad", "--no-docker", inventory=inventory)
+    assert result.returncode == 2 and "training.batch_size" in one_line(result)
+    assert not (tmp_path / "remote").exists()
+
+
+def _status(inventory, name):
+    result = remote("status", "lab", name, "--json", inventory=inventory)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_stop_ends_the_whole_job(inventory, tmp_path):
+    config = write_job(tmp_path / "long.yaml", epochs=500)
+    started = remote("start", "lab", "--config", config, "--name", "long", "--no-docker", inventory=inventory)
+    assert started.returncode == 0, started.stderr
+    assert "started long on lab (pid" in started.stdout
+    job = json.loads((tmp_path / "remote" / "jobs" / "long" / "job.json").read_text())
+    assert _status(inventory, "long")["state"] == "running"
+    again = remote("start", "lab", "--config", config, "--name", "long", "--no-docker", inventory=inventory)
+    assert again.returncode == 2 and "already running" in one_line(again)
+
+    stopped = remote("stop", "lab", "long", "--grace", "5", inventory=inventory)
+    assert stopped.returncode == 0 and "long on lab: stopped" in stopped.stdout, stopped.stderr
+    with pytest.raises(ProcessLookupError):
+        os.kill(job["pid"], 0)
+    assert _status(inventory, "long")["state"] == "stopped"
+    assert "not running" in remote("stop", "lab", "long", inventory=inventory).stdout
+
+
+@pytest.mark.slow
+def test_start_follow_status_fetch_a_tiny_job(inventory, tmp_path):
+    config = write_job(tmp_path / "tiny.yaml", epochs=2)
+    started = remote("start", "lab", "--config", config, "--name", "tiny", "--no-docker", inventory=inventory)
+    assert started.returncode == 0, started.stderr
+
+    # Follow the log until the job ends: it streams the training and returns with it.
+    began = time.monotonic()
+    followed = remote("logs", "lab", "tiny", "--follow", inventory=inventory, timeout=900)
+    assert followed.returncode == 0, followed.stderr
+    assert "Epoch 2/2" in followed.stdout and "PASS" in followed.stdout, followed.stdout[-3000:]
+    assert time.monotonic() - began > 5
+
+    status = _status(inventory, "tiny")
+    assert status["state"] == "finished" and status["verdict"] == "PASS"
+    assert status["epoch"] == 2 and status["epochs"] == 2 and status["step"] == status["steps_per_epoch"] == 3
+    assert status["peak_rss_bytes"] > 100 * 2**20 and status["live_rss_bytes"] == 0
+    assert status["last_epoch"]["epoch"] == 1 and "val_dice" in status["last_epoch"]
+    text = remote("status", "lab", "tiny", inventory=inventory).stdout
+    assert "tiny on lab: finished" in text and "epoch 2/2, step 3/3" in text and "verdict: PASS" in text
+
+    tail = remote("logs", "lab", "tiny", "--lines", "1", inventory=inventory)
+    assert tail.stdout.strip().startswith("PASS")
+
+    fetched = remote("fetch", "lab", "tiny", "--to", tmp_path / "fetched", inventory=inventory)
+    assert fetched.returncode == 0, fetched.stderr
+    assert "verdict PASS" in fetched.stdout
+    run = tmp_path / "fetched" / "tiny"
+    for name in ("verdict.json", "report.html", "metrics.json", "history.csv", "memory.csv", "job.log",
+                 "checkpoints/last.keras"):
+        assert (run / name).is_file(), name
+    assert json.loads((run / "verdict.json").read_text())["verdict"] == "PASS"
