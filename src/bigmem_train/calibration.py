@@ -28,10 +28,10 @@ from .planner import Calibration, breakdown_for, calibration_path_for_user, laye
 # Small jobs the constants are fitted on: a few seconds a step on two cores, spanning 1..4 channels,
 # depths 3..4 and a range of sizes so the intercept (baseline) and the slope (workspace) separate.
 CALIBRATION_JOBS: list[dict[str, Any]] = [
-    {"shape": (32, 32, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
-    {"shape": (64, 64, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
-    {"shape": (64, 64, 64), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
-    {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 4},
+    {"shape": (48, 48, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (32, 32, 32), "batch": 2, "filters": 8, "depth": 5, "channels": 4},
+    {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
+    {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1},
 ]
 
 
@@ -100,7 +100,15 @@ def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
     rss_start = _status_bytes("VmRSS")
     import tensorflow as tf
 
+    from .host import read_host_facts
     from .model import compile_model
+    from .train import choose_threads
+
+    # The threads a real run uses (train.choose_threads): inter-op parallelism changes which backward
+    # buffers coexist, so the measurement must match it.
+    intra, inter = choose_threads(config, read_host_facts())
+    tf.config.threading.set_intra_op_parallelism_threads(intra)
+    tf.config.threading.set_inter_op_parallelism_threads(inter)
 
     tf.keras.utils.set_random_seed(config.training.seed)
     model = compile_model(config)
@@ -136,6 +144,7 @@ def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
         "rss_end_bytes": _status_bytes("VmRSS"),
         "step_seconds": [round(value, 2) for value in seconds],
         "tensorflow": tf.__version__,
+        "threads": [intra, inter],
     }
 
 

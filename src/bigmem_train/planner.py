@@ -58,6 +58,9 @@ PARALLEL_READS_AUTO = 4
 # --------------------------------------------------------------------------------------------------
 # Layer table: what the Keras model is made of, independent of batch and shape.
 
+# Bumped when the table gains a field, so cached tables are rebuilt.
+TABLE_VERSION = 3
+
 
 def _model_source_digest() -> str:
     source = (Path(__file__).parent / "model.py").read_bytes()
@@ -70,6 +73,7 @@ def _table_key(config: Config) -> dict[str, Any]:
         "channels": config.num_channels,
         "precision": config.runtime.precision,
         "model_py": _model_source_digest(),
+        "table_version": TABLE_VERSION,
     }
 
 
@@ -116,6 +120,8 @@ def layer_table_from_keras(config: Config) -> list[dict[str, Any]]:
                 "trainable_params": int(sum(math.prod(w.shape) for w in layer.trainable_weights)),
                 "non_trainable_params": int(sum(math.prod(w.shape) for w in layer.non_trainable_weights)),
                 "kernel_dtype": str(getattr(layer, "compute_dtype", "float32")),
+                "kernel_size": list(getattr(layer, "kernel_size", ()) or ()),
+                "upsampling": getattr(layer, "upsampling", None),
             }
         )
     return table
@@ -163,10 +169,10 @@ class Calibration:
 
     # Resident memory of the training process that does not scale with the job: Python, TensorFlow,
     # oneDNN and its thread pools, the traced graph.
-    runtime_baseline_bytes: int = 700 * 1024**2
-    # Transient bytes at the peak (backward buffers, oneDNN reorders and scratchpads) as a multiple of
-    # the largest layer's input + output in float32.
-    workspace_factor: float = 1.0
+    runtime_baseline_bytes: int = 870 * 1024**2
+    # Transient bytes at the peak (the backward pass's column buffer, gradient buffers) as a multiple of
+    # the largest convolution's patch matrix for one sample (``workspace_reference_bytes``).
+    workspace_factor: float = 1.15
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -198,12 +204,59 @@ def load_calibration() -> Calibration:
     return Calibration()
 
 
+def expand_recomputed_blocks(table: list[dict[str, Any]], batch_norm: bool) -> list[dict[str, Any]]:
+    """Replace each ``RecomputedBlock`` row (model.recompute) by the rows of the layers inside it.
+
+    The block's last ReLU takes the block's name so its consumers still find it; the block's weights are
+    counted once, on its first inner row. ``recomputed`` marks the inner rows.
+    """
+    rows = {row["name"]: row for row in table}
+    expanded: list[dict[str, Any]] = []
+    for row in table:
+        if row["kind"] != "RecomputedBlock":
+            expanded.append(row)
+            continue
+        name, filters = row["name"], row["channels"]
+        common = {"divisor": row["divisor"], "dtype": row["dtype"], "kernel_dtype": row["kernel_dtype"],
+                  "trainable_params": 0, "non_trainable_params": 0, "recomputed": True, "block": name}
+        inner: list[dict[str, Any]] = []
+        previous = row["inputs"][0]
+        if len(row["inputs"]) == 2:  # an up block: upsample, concatenate with the skip
+            skip = rows[row["inputs"][1]]
+            kind, kernel = (("Conv3DTranspose", [2, 2, 2]) if row.get("upsampling", "transpose") == "transpose"
+                            else ("UpSampling3D", []))
+            inner.append({**common, "name": f"{name}_upsample", "kind": kind, "inputs": [previous],
+                          "channels": filters, "activation": "linear", "kernel_size": kernel})
+            inner.append({**common, "name": f"{name}_concat", "kind": "Concatenate",
+                          "inputs": [f"{name}_upsample", skip["name"]], "channels": filters + skip["channels"],
+                          "activation": None, "kernel_size": []})
+            previous = f"{name}_concat"
+        for index in (1, 2):
+            inner.append({**common, "name": f"{name}_conv{index}", "kind": "Conv3D", "inputs": [previous],
+                          "channels": filters, "activation": "linear", "kernel_size": [3, 3, 3]})
+            previous = f"{name}_conv{index}"
+            if batch_norm:
+                inner.append({**common, "name": f"{name}_bn{index}", "kind": "BatchNormalization",
+                              "inputs": [previous], "channels": filters, "activation": None, "kernel_size": []})
+                previous = f"{name}_bn{index}"
+            relu = name if index == 2 else f"{name}_relu{index}"
+            inner.append({**common, "name": relu, "kind": "Activation", "inputs": [previous],
+                          "channels": filters, "activation": "relu", "kernel_size": []})
+            previous = relu
+        inner[0]["trainable_params"] = row["trainable_params"]
+        inner[0]["non_trainable_params"] = row["non_trainable_params"]
+        expanded.extend(inner)
+        rows.update({item["name"]: item for item in inner})
+    return expanded
+
+
 def _elements(row: dict[str, Any], batch: int, shape: tuple[int, int, int]) -> int:
     return batch * math.prod(edge // divisor for edge, divisor in zip(shape, row["divisor"])) * row["channels"]
 
 
 def _block_of(name: str) -> str:
-    """``down0_conv1`` -> ``down0``: the unit gradient recomputation treats as one."""
+    """``down0_conv1`` -> ``down0``: the unit gradient recomputation treats as one (up blocks include
+    their upsampling and concatenation, as model.RecomputedBlock does)."""
     return name.split("_", 1)[0]
 
 
@@ -283,9 +336,35 @@ def _input_pipeline_bytes(config: Config, batch: int, shape: tuple[int, int, int
     return batches * batch * sample_bytes + readers * READER_COPIES * sample_bytes
 
 
+def workspace_reference_bytes(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int]) -> int:
+    """The largest convolution's patch matrix for one sample: kernel volume x input channels x output voxels.
+
+    TensorFlow's CPU Conv3D backward kernels (Conv3DCustomBackpropInputOp / FilterOp) allocate a column
+    buffer of [images per shard, output voxels, kernel volume x input channels] and walk the batch one
+    shard at a time; a shard is one image whenever one image's matrices exceed the L3 cache (every job
+    worth planning). So the transient peak grows with the sample, not with the batch. A transposed
+    convolution's forward pass is such a backward-input kernel over its own input voxels.
+    """
+    rows = {row["name"]: row for row in table}
+    largest = 0
+    for row in table:
+        kernel = math.prod(row.get("kernel_size") or [3, 3, 3]) if row["kind"].startswith("Conv") else 0
+        if not kernel or not row["inputs"]:
+            continue
+        producer = rows[row["inputs"][0]]
+        itemsize = DTYPE_BYTES.get(row["kernel_dtype"], 4)
+        if row["kind"] == "Conv3DTranspose":
+            patches = kernel * row["channels"] * _elements(producer, 1, shape) // producer["channels"]
+        else:
+            patches = kernel * producer["channels"] * _elements(row, 1, shape) // row["channels"]
+        largest = max(largest, patches * itemsize)
+    return largest
+
+
 def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Calibration,
                   batch: int, shape: tuple[int, int, int]) -> dict[str, int]:
     """The peak-memory breakdown of ``config``'s model at ``batch`` and ``shape`` (bytes per component)."""
+    table = expand_recomputed_blocks(table, config.model.batch_norm)
     trainable = sum(row["trainable_params"] for row in table)
     non_trainable = sum(row["non_trainable_params"] for row in table)
     mixed = config.runtime.precision != "float32"
@@ -297,11 +376,7 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     output = table[-1]
     loss = LOSS_KEPT_TENSORS * _elements(output, batch, shape) * 4
     activations = sum(kept.values()) + loss
-    largest = 0
-    rows = {row["name"]: row for row in table}
-    for row in table:
-        inputs = sum(_elements(rows[name], batch, shape) for name in row["inputs"])
-        largest = max(largest, (inputs + _elements(row, batch, shape)) * 4)
+    largest = workspace_reference_bytes(table, batch, shape)
     workspace = int(calibration.workspace_factor * largest) + recompute_transient
     return {
         "weights": weights,

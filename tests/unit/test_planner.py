@@ -30,14 +30,8 @@ def recorded_table(name: str) -> list[dict]:
 def tables(monkeypatch):
     """Serve recorded layer tables (built once from the Keras model) instead of building the model."""
     def fake_layer_table(config):
-        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_float32"
-        table = recorded_table(name)
-        if config.runtime.precision == "mixed_bfloat16":
-            # What Keras reports under mixed_bfloat16: layers compute in bfloat16 except the float32 output.
-            for row in table:
-                if row["name"] != "segmentation" and row["kind"] != "InputLayer":
-                    row["dtype"] = row["kernel_dtype"] = "bfloat16"
-        return table
+        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_{config.runtime.precision}"
+        return recorded_table(name + ("_recompute" if config.model.recompute else ""))
 
     monkeypatch.setattr(planner, "layer_table", fake_layer_table)
     monkeypatch.setattr(planner, "load_calibration", lambda: CALIBRATION)
@@ -133,7 +127,7 @@ def test_sizing_reaches_the_target_from_below(tables, resize):
 
 
 def test_share_of_host_target_uses_the_cgroup_limit(tables):
-    config = study(**{"footprint.target": "80%", "footprint.resize": "batch", "data.input_shape": [128, 128, 96]})
+    config = study(**{"footprint.target": "80%", "footprint.resize": "batch", "data.input_shape": [96, 96, 64]})
     plan = plan_job(config, host("one_node_cgroup2"), calibration=CALIBRATION)
     assert plan.target_bytes == int(8 * GIB * 0.8)
     assert plan.peak_bytes <= plan.target_bytes
@@ -212,6 +206,23 @@ def test_plan_records_the_placement(tables):
     assert isinstance(plan.placement, Placement)
     assert plan.placement.policy == "bind"
     assert plan.to_dict()["placement"]["numactl"][0] == "numactl"
+
+
+def test_recorded_tables_match_the_model_code():
+    # A recorded table is only valid for the model.py it was built from; rebuild with
+    # tests/fixtures/layer_tables (see test docstring) when this fails.
+    key = json.loads((FIXTURES / "layer_tables" / "unet_depth4_filters16_float32.json").read_text())["key"]
+    assert key["model_py"] == planner._model_source_digest(), "model.py changed: re-record the layer tables"
+
+
+def test_recomputed_blocks_expand_to_the_plain_layers():
+    plain = recorded_table("unet_depth4_filters16_float32")
+    blocks = recorded_table("unet_depth4_filters16_float32_recompute")
+    expanded = planner.expand_recomputed_blocks(blocks, batch_norm=True)
+    assert sum(r["trainable_params"] for r in expanded) == sum(r["trainable_params"] for r in plain)
+    assert len(expanded) == len(plain)
+    assert planner.workspace_reference_bytes(expanded, 2, (64, 64, 48)) == \
+        planner.workspace_reference_bytes(plain, 2, (64, 64, 48))
 
 
 def test_breakdown_for_is_pure_arithmetic():

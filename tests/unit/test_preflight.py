@@ -20,7 +20,7 @@ CALIBRATION = Calibration(runtime_baseline_bytes=600 * 1024**2, workspace_factor
 @pytest.fixture(autouse=True)
 def recorded_tables(monkeypatch):
     def fake_layer_table(config):
-        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_float32"
+        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_{config.runtime.precision}"
         return json.loads((FIXTURES / "layer_tables" / f"{name}.json").read_text())["table"]
 
     for module in (planner, preflight):
