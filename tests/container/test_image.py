@@ -1,0 +1,210 @@
+"""The bigmem-train image, built once per session (tests/fixtures/docker_daemon.py) and run for real.
+
+Every job runs in the hardened form the kit uses: no network, read-only root, /tmp on tmpfs, no
+capabilities, no new privileges, the fixed non-root user, a results folder mounted at /results.
+One full default job; the other training runs are shortened with --set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bigmem_train import __version__
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+UID = 10001
+HARDENED = [
+    "--network", "none", "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL",
+    "--security-opt", "no-new-privileges", "--user", f"{UID}:{UID}",
+]
+JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+# A short job for the runs that check plumbing, not learning.
+SHORT = ["--set", "training.epochs=2", "--set", "validation.dice_floor=0.0"]
+
+
+def docker_run(image: str, *args: str, options: list[str] | None = None, entrypoint: str | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    command = ["docker", "run", "--rm", *HARDENED, *(options or [])]
+    if entrypoint:
+        command += ["--entrypoint", entrypoint]
+    return subprocess.run([*command, image, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def results_folder(path: Path, uid: int = UID, mode: int = 0o755) -> Path:
+    """A results folder the container user owns (as root), else one anybody may write."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, uid, uid)
+        path.chmod(mode)
+    else:
+        path.chmod(0o777)
+    return path
+
+
+def chown_tree(path: Path, uid: int = UID) -> None:
+    if os.geteuid() == 0:
+        for item in [path, *path.rglob("*")]:
+            os.lchown(item, uid, uid)
+
+
+def only_run_dir(results: Path) -> Path:
+    runs = [path for path in results.iterdir() if (path / "state.json").exists()]
+    assert len(runs) == 1, f"expected one run directory in {results}, found {runs}"
+    return runs[0]
+
+
+def labels(image: str) -> dict[str, str]:
+    output = subprocess.run(["docker", "image", "inspect", "-f", "{{json .Config.Labels}}", image],
+                            capture_output=True, text=True, check=True).stdout
+    return json.loads(output)
+
+
+def test_version_and_labels(bigmem_image: str) -> None:
+    result = docker_run(bigmem_image, "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"bigmem-train {__version__}"
+    image_labels = labels(bigmem_image)
+    assert image_labels["org.opencontainers.image.version"] == __version__
+    assert image_labels["org.opencontainers.image.revision"] not in {"", "unknown"}
+    assert len(image_labels["org.bigmem-train.context-sha256"]) == 64
+
+
+def test_help_exits_0(bigmem_image: str) -> None:
+    result = docker_run(bigmem_image, "--help")
+    assert result.returncode == 0, result.stderr
+    assert "Exit codes" in result.stdout
+
+
+def test_user_is_not_root(bigmem_image: str) -> None:
+    # Without --user: the image's own default user.
+    result = subprocess.run(["docker", "run", "--rm", "--entrypoint", "id", bigmem_image],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"uid={UID}(bigmem) gid={UID}(bigmem)"), result.stdout
+
+
+def test_runtime_inside_the_hardened_container(bigmem_image: str) -> None:
+    """TensorFlow with oneDNN, numactl and both allocators, no pip and no compilers, under --read-only."""
+    script = (
+        "import json, os, shutil, sys, tensorflow as tf, keras, matplotlib.pyplot;"
+        "from tensorflow.python.util import _pywrap_util_port as port;"
+        "print(json.dumps({'tf': tf.__version__, 'keras': keras.__version__, 'onednn': port.IsMklEnabled(),"
+        " 'numactl': shutil.which('numactl'), 'pip': shutil.which('pip'), 'gcc': shutil.which('gcc'),"
+        " 'python': sys.version_info[:2], 'home': os.environ['HOME']}))"
+    )
+    result = docker_run(bigmem_image, "-c", script, entrypoint="python", timeout=180)
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout.strip().splitlines()[-1])
+    assert int(facts["tf"].split(".")[1]) >= 16 and facts["tf"].startswith("2.")
+    assert facts["keras"].startswith("3.")
+    assert facts["onednn"] is True
+    assert facts["numactl"] == "/usr/bin/numactl"
+    assert facts["pip"] is None and facts["gcc"] is None
+    assert facts["python"] == [3, 11]
+    for library in (JEMALLOC, TCMALLOC):
+        preload = docker_run(bigmem_image, "-c", "import tensorflow as tf; print(tf.reduce_sum(tf.ones([64, 64])).numpy())",
+                             options=["--env", f"LD_PRELOAD={library}"], entrypoint="python", timeout=180)
+        assert preload.returncode == 0, f"{library}: {preload.stderr[-2000:]}"
+        assert preload.stdout.strip().endswith("4096.0")
+        assert "cannot be preloaded" not in preload.stderr
+
+
+def test_bad_config_exits_2_through_docker_run(bigmem_image: str, tmp_path: Path) -> None:
+    results = results_folder(tmp_path / "results")
+    (results / "bad.yaml").write_text("training:\n  epochz: 3\n")
+    result = docker_run(bigmem_image, "run", "--config", "/results/bad.yaml", options=["-v", f"{results}:/results"])
+    assert result.returncode == 2, result.stderr
+    assert "training.epochz: unknown key" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_does_not_fit_exits_3_through_docker_run(bigmem_image: str, tmp_path: Path) -> None:
+    results = results_folder(tmp_path / "results")
+    result = docker_run(bigmem_image, "run", "--results", "/results", "--target", "100TB",
+                        options=["-v", f"{results}:/results"])
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert not any(results.iterdir()), "a job that does not fit must leave nothing behind"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give the results folder to another uid")
+def test_results_folder_of_another_uid_exits_2_with_one_line(bigmem_image: str, tmp_path: Path) -> None:
+    results = results_folder(tmp_path / "results", uid=12345, mode=0o700)
+    result = docker_run(bigmem_image, options=["-v", f"{results}:/results"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "/results" in lines[0] and "not writable by uid 10001" in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def default_run(bigmem_image: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The one full default job: `docker run` with no command, hardened, results mounted."""
+    results = results_folder(tmp_path_factory.mktemp("default") / "results")
+    result = docker_run(bigmem_image, options=["-v", f"{results}:/results"], timeout=1800)
+    return result, results
+
+
+def test_default_job_passes_in_the_hardened_container(default_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    result, results = default_run
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PASS" in result.stdout
+    run_dir = only_run_dir(results)
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    assert verdict["verdict"] == "PASS", verdict
+    assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"
+    assert (run_dir / "report.html").is_file()
+    # The synthetic dataset of the default job is written next to the run, in the results folder.
+    assert any(path.is_dir() and (path / "dataset.json").exists() for path in results.iterdir())
+    for path in results.rglob("*"):
+        assert path.stat().st_uid == UID, f"{path} is not owned by the container user"
+
+
+def test_validation_failure_exits_1_through_docker_run(bigmem_image: str, default_run, tmp_path: Path) -> None:
+    _, results = default_run
+    copy = results_folder(tmp_path / "results")
+    shutil.copytree(only_run_dir(results), copy / "strict", dirs_exist_ok=True)
+    config = yaml.safe_load((copy / "strict" / "config.yaml").read_text())
+    config["validation"]["dice_floor"] = 1.0
+    (copy / "strict" / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    chown_tree(copy)
+    result = docker_run(bigmem_image, "validate", "/results/strict", options=["-v", f"{copy}:/results"])
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout
+
+
+def test_real_data_read_only_with_a_rendered_config(bigmem_image: str, tmp_path: Path) -> None:
+    """A Decathlon-layout folder mounted read-only at /data, a config rendered into /results, jemalloc."""
+    dataset = results_folder(tmp_path / "Task01_BrainTumour")
+    synth = docker_run(bigmem_image, "synth", "--out", "/data", "--cases", "6", "--shape", "40,40,24",
+                       options=["-v", f"{dataset}:/data"])
+    assert synth.returncode == 0, synth.stderr
+    assert (dataset / "dataset.json").is_file()
+    results = results_folder(tmp_path / "results")
+    render = docker_run(bigmem_image, "render", "train.yaml.j2", "--out", "/results/train.yaml",
+                        "--var", "dataset_path=/data", "--var", "results_dir=/results", "--var", "allocator=jemalloc",
+                        "--var", "epochs=2", options=["-v", f"{results}:/results"])
+    assert render.returncode == 0, render.stderr
+    config = yaml.safe_load((results / "train.yaml").read_text())
+    assert config["data"]["source"] == "decathlon" and config["data"]["path"] == "/data"
+    result = docker_run(bigmem_image, "run", "--config", "/results/train.yaml", "--run-name", "real",
+                        "--set", "validation.dice_floor=0.0",
+                        options=["-v", f"{dataset}:/data:ro", "-v", f"{results}:/results"], timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"LD_PRELOAD={JEMALLOC}" in result.stdout
+    verdict = json.loads((results / "real" / "verdict.json").read_text())
+    assert verdict["verdict"] == "PASS"
+    assert (results / "real" / "split.json").is_file()
+    # Nothing was synthesized: the job read the mounted dataset.
+    assert not any(path.name.startswith("synthetic-") for path in results.iterdir())
