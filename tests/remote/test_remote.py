@@ -167,3 +167,40 @@ def test_start_follow_status_fetch_a_tiny_job(inventory, tmp_path):
                  "checkpoints/last.keras"):
         assert (run / name).is_file(), name
     assert json.loads((run / "verdict.json").read_text())["verdict"] == "PASS"
+
+
+@pytest.mark.slow
+def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
+    """`remote start GROUP`: one worker per host, TF_CONFIG rendered per host; both train in lockstep."""
+    hosts = "\n".join(
+        f"w{index} ansible_host=127.0.0.1 ansible_port={sshd.port} bigmem_train_worker_port={free_port()} "
+        f"bigmem_train_remote_dir={tmp_path}/w{index}" for index in range(2))
+    inventory = tmp_path / "workers.ini"
+    inventory.write_text(f"[workers]\n{hosts}\n\n[workers:vars]\nansible_user={sshd.user}\n"
+                         f"ansible_ssh_private_key_file={sshd.key_file}\nbigmem_train_executable={EXECUTABLE}\n")
+    config = write_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker")
+    try:
+        single = remote("start", "w0", "--config", config, "--name", "mw", "--no-docker", inventory=inventory)
+        assert single.returncode == 2 and "give its group" in one_line(single)
+        started = remote("start", "workers", "--config", config, "--name", "mw", "--no-docker", inventory=inventory)
+        assert started.returncode == 0, started.stderr
+        assert "started mw on w0" in started.stdout and "started mw on w1" in started.stdout
+        tf_config = json.loads(remote("tf-config", "w1", inventory=inventory).stdout)
+        assert tf_config["task"] == {"type": "worker", "index": 1} and len(tf_config["cluster"]["worker"]) == 2
+
+        followed = remote("logs", "w0", "mw", "--follow", inventory=inventory, timeout=900)
+        assert "PASS" in followed.stdout, followed.stdout[-3000:] + remote("logs", "w1", "mw", inventory=inventory).stdout[-3000:]
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            reports = json.loads(remote("status", "workers", "mw", "--json", inventory=inventory).stdout)
+            if all(report["state"] != "running" for report in reports):
+                break
+            time.sleep(2)
+        assert [report["state"] for report in reports] == ["finished", "finished"], reports
+        assert reports[0]["verdict"] == "PASS" and reports[1]["run_dir"].endswith("results/mw.worker1")
+    finally:
+        remote("stop", "workers", "mw", "--grace", "2", inventory=inventory)
+    chief = tmp_path / "w0" / "jobs" / "mw" / "results" / "mw"
+    worker = tmp_path / "w1" / "jobs" / "mw" / "results" / "mw.worker1"
+    assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
+    assert (chief / "checkpoints" / "last.keras").is_file() and (worker / "checkpoints" / "last.keras").is_file()
