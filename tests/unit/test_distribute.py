@@ -1,0 +1,101 @@
+"""Multi-worker helpers: TF_CONFIG parsing, worker naming, the shared template (also through Ansible)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bigmem_train.config import load_config
+from bigmem_train.distribute import (
+    config_for_this_worker,
+    is_chief,
+    parse_tf_config,
+    per_worker_batch_size,
+    render_tf_config,
+    templates_dir,
+    worker_count,
+    worker_run_name,
+)
+from bigmem_train.errors import BadInput
+
+
+def tf_config(index, workers=("a:1", "b:2")):
+    return json.dumps({"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": index}})
+
+
+def test_parse_and_roles():
+    cluster = parse_tf_config(tf_config(1))
+    assert cluster.workers == ("a:1", "b:2") and cluster.index == 1 and cluster.count == 2
+    assert not cluster.is_chief and parse_tf_config(tf_config(0)).is_chief
+    assert is_chief({}) and worker_count({}) == 1
+    assert not is_chief({"TF_CONFIG": tf_config(1)}) and worker_count({"TF_CONFIG": tf_config(1)}) == 2
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "not valid JSON"),
+    ('{"cluster": {}}', 'needs "cluster" and "task"'),
+    ('{"cluster": {"worker": ["nohost"]}, "task": {"type": "worker", "index": 0}}', "host:port"),
+    (tf_config(2), "does not name one of the cluster's members"),
+    (tf_config(0, ("a:1", "a:1")), "lists an address twice"),
+])
+def test_bad_tf_config_is_one_clear_line(text, message):
+    with pytest.raises(BadInput, match=message):
+        parse_tf_config(text)
+
+
+def test_worker_run_directories_and_batch():
+    assert worker_run_name("job", None) == "job"
+    assert worker_run_name("job", parse_tf_config(tf_config(0))) == "job"
+    assert worker_run_name("job", parse_tf_config(tf_config(1))) == "job.worker1"
+    config = load_config(None, {"training.strategy": "multi_worker", "output.run_name": "job"})
+    assert config_for_this_worker(config, {"TF_CONFIG": tf_config(1)}).output.run_name == "job.worker1"
+    assert config_for_this_worker(config, {"TF_CONFIG": tf_config(0)}).output.run_name == "job"
+    with pytest.raises(BadInput, match="needs the TF_CONFIG environment variable"):
+        config_for_this_worker(config, {})
+    unnamed = load_config(None, {"training.strategy": "multi_worker"})
+    with pytest.raises(BadInput, match="needs output.run_name"):
+        config_for_this_worker(unnamed, {"TF_CONFIG": tf_config(0)})
+    assert per_worker_batch_size(config, 2) == config.training.batch_size // 2
+    with pytest.raises(BadInput, match="divisible by the 3 workers"):
+        per_worker_batch_size(load_config(None, {"training.batch_size": 4}), 3)
+
+
+GROUPS = {"workers": ["w0", "w1", "w2"]}
+HOSTVARS = {
+    "w0": {"ansible_host": "192.0.2.10"},
+    "w1": {"ansible_host": "192.0.2.11", "bigmem_train_worker_address": "10.0.0.11"},
+    "w2": {"bigmem_train_worker_port": 2222},
+}
+EXPECTED = ["192.0.2.10:12345", "10.0.0.11:12345", "w2:2222"]
+
+
+def test_template_renders_workers_in_inventory_order():
+    for index, host in enumerate(GROUPS["workers"]):
+        cluster = parse_tf_config(render_tf_config(GROUPS, HOSTVARS, host, "workers"))
+        assert list(cluster.workers) == EXPECTED and cluster.index == index
+    with pytest.raises(BadInput, match="not in inventory group"):
+        render_tf_config(GROUPS, HOSTVARS, "elsewhere", "workers")
+
+
+@pytest.mark.skipif(not shutil.which("ansible", path=str(Path(sys.executable).parent)), reason="needs ansible-core")
+def test_ansible_renders_the_same_template(tmp_path):
+    """One source of truth: Ansible's templating gives the same TF_CONFIG as the CLI."""
+    inventory = tmp_path / "inventory.ini"
+    lines = ["[workers]"]
+    for host in GROUPS["workers"]:
+        variables = " ".join(f"{key}={value}" for key, value in HOSTVARS[host].items())
+        lines.append(f"{host} ansible_connection=local {variables}")
+    inventory.write_text("\n".join(lines) + "\n")
+    template = templates_dir() / "tf_config.json.j2"
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("ansible")), "workers", "-i", str(inventory), "-o", "-m", "debug",
+         "-a", f"msg={{{{ lookup('template', '{template}') }}}}", "-e", "bigmem_train_group=workers"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for line in result.stdout.splitlines():
+        host, _, rest = line.partition(" | SUCCESS => ")
+        message = json.loads(rest)["msg"]
+        assert message.strip() == render_tf_config(GROUPS, HOSTVARS, host, "workers")
