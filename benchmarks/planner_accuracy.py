@@ -85,9 +85,11 @@ def report(results: Path, calibration: Calibration) -> dict:
     for index, (config, measured) in enumerate(samples):
         stored = sum(predicted_for_measurement(config, calibration).values())
         others = samples[:index] + samples[index + 1:]
-        baseline, factor = fit_constants(others)
-        held_out = sum(predicted_for_measurement(
-            config, Calibration(runtime_baseline_bytes=baseline, workspace_factor=factor)).values())
+        held_out = stored
+        if len(others) >= 2:  # two constants need two other jobs
+            baseline, factor = fit_constants(others)
+            held_out = sum(predicted_for_measurement(
+                config, Calibration(runtime_baseline_bytes=baseline, workspace_factor=factor)).values())
         rows.append({"job": describe(records[index]["job"]), "measured": measured, "stored": stored,
                      "held_out": held_out})
 

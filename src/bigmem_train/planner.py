@@ -361,6 +361,12 @@ def workspace_reference_bytes(table: list[dict[str, Any]], batch: int, shape: tu
     return largest
 
 
+def backward_concurrency(config: Config) -> int:
+    """Column buffers alive at once: 1 with one inter-op thread (train.choose_threads' default); with more,
+    a convolution's input-gradient and filter-gradient kernels run side by side, each with its own."""
+    return min(2, config.runtime.inter_op_threads or 1)
+
+
 def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Calibration,
                   batch: int, shape: tuple[int, int, int]) -> dict[str, int]:
     """The peak-memory breakdown of ``config``'s model at ``batch`` and ``shape`` (bytes per component)."""
@@ -376,7 +382,7 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     output = table[-1]
     loss = LOSS_KEPT_TENSORS * _elements(output, batch, shape) * 4
     activations = sum(kept.values()) + loss
-    largest = workspace_reference_bytes(table, batch, shape)
+    largest = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
     workspace = int(calibration.workspace_factor * largest) + recompute_transient
     return {
         "weights": weights,

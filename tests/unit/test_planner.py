@@ -33,7 +33,10 @@ def tables(monkeypatch):
         name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_{config.runtime.precision}"
         return recorded_table(name + ("_recompute" if config.model.recompute else ""))
 
+    from bigmem_train import calibration
+
     monkeypatch.setattr(planner, "layer_table", fake_layer_table)
+    monkeypatch.setattr(calibration, "layer_table", fake_layer_table)
     monkeypatch.setattr(planner, "load_calibration", lambda: CALIBRATION)
 
 
@@ -231,3 +234,32 @@ def test_breakdown_for_is_pure_arithmetic():
     first = breakdown_for(config, table, CALIBRATION, 2, (64, 64, 48))
     again = breakdown_for(config, table, CALIBRATION, 2, (64, 64, 48))
     assert first == again
+
+
+def test_calibration_fit_recovers_known_constants(tables):
+    from bigmem_train.calibration import fit_constants, job_config, predicted_for_measurement
+
+    truth = Calibration(runtime_baseline_bytes=812 * 1024**2, workspace_factor=1.3)
+    base = load_config()
+    samples = []
+    for shape, batch, filters, depth in [((64, 64, 32), 1, 8, 3), ((64, 64, 48), 2, 16, 4), ((96, 64, 64), 3, 16, 4)]:
+        config = job_config(base, shape, batch, filters, depth, channels=1)
+        samples.append((config, sum(predicted_for_measurement(config, truth).values())))
+    baseline, factor = fit_constants(samples)
+    assert abs(baseline - truth.runtime_baseline_bytes) < 1024**2
+    assert factor == pytest.approx(1.3, abs=1e-3)
+
+
+def test_calibration_file_lookup_order(tmp_path, monkeypatch):
+    # (not the ``tables`` fixture: the real lookup)
+    user = tmp_path / "cache"
+    monkeypatch.setenv("BIGMEM_CACHE_DIR", str(user))
+    monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
+    assert planner.load_calibration().source in {str(planner.PACKAGED_CALIBRATION), Calibration().source}
+    user.mkdir()
+    (user / "calibration.json").write_text(json.dumps({"runtime_baseline_bytes": 1, "workspace_factor": 2.0}))
+    assert planner.load_calibration().workspace_factor == 2.0
+    override = tmp_path / "mine.json"
+    override.write_text(json.dumps({"runtime_baseline_bytes": 5, "workspace_factor": 3.0}))
+    monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
+    assert planner.load_calibration().runtime_baseline_bytes == 5

@@ -1,0 +1,71 @@
+"""Sizing to a memory target for real: `bigmem-train run --target SIZE` trains a job the planner sized,
+and the measured peak lands within the tolerance of the target (the verdict's footprint criterion)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from .conftest import bigmem
+
+pytestmark = pytest.mark.slow
+
+GIB = 1024**3
+
+# A job the planner grows (input shape at batch 1) until its predicted peak reaches the target; few
+# steps, since two cores train a ~1M-voxel sample in about a minute a step.
+TARGET_JOB = """\
+data:
+  source: synthetic
+  synthetic_cases: 4
+  synthetic_shape: [64, 64, 48]
+  input_shape: [48, 48, 32]
+  validation_fraction: 0.25
+  crop_jitter: 0
+model:
+  depth: 3
+  base_filters: 8
+training:
+  batch_size: 1
+  epochs: 1
+  steps_per_epoch: 3
+  validation_steps: 1
+footprint:
+  resize: shape
+  tolerance: 0.10
+validation:
+  dice_floor: 0.0
+  require_loss_decrease: false
+output:
+  results_dir: {results}
+  run_name: target
+  tensorboard: false
+"""
+
+
+def test_run_sized_to_a_target_peaks_within_tolerance(tmp_path: Path):
+    config = tmp_path / "target.yaml"
+    config.write_text(TARGET_JOB.format(results=tmp_path / "results"))
+    target = "2.5GiB"
+
+    planned = bigmem("plan", "--config", config, "--target", target, "--json", timeout=600)
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert plan["target_bytes"] == int(2.5 * GIB)
+    assert plan["peak_bytes"] <= plan["target_bytes"]
+    assert plan["input_shape"] != [48, 48, 32]  # the planner grew the shape
+    assert all(edge % 8 == 0 for edge in plan["input_shape"])
+
+    result = bigmem("run", "--config", config, "--target", target, timeout=3000)
+    run_dir = tmp_path / "results" / "target"
+    assert (run_dir / "plan.json").is_file(), result.stdout + result.stderr
+    recorded = json.loads((run_dir / "plan.json").read_text())
+    assert recorded["peak_bytes"] == plan["peak_bytes"]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    measured = metrics["peak_rss_bytes"]
+    error = (recorded["peak_bytes"] - measured) / measured
+    print(f"planned {recorded['peak_bytes'] / GIB:.3f} GiB, measured {measured / GIB:.3f} GiB, error {error:+.1%}")
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    footprint = [c for c in verdict["criteria"] if c["name"] == "footprint"]
+    assert footprint and footprint[0]["passed"], footprint
+    assert abs(measured - int(2.5 * GIB)) / int(2.5 * GIB) <= 0.10
