@@ -8,5 +8,6 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 pytest_plugins = [
     "tests.fixtures.common",
     "tests.fixtures.docker_daemon",
+    "tests.fixtures.lab",
     "tests.fixtures.sshd",
 ]
