@@ -46,15 +46,15 @@ DEFAULT_IMAGE = "bigmem-train"
 DEFAULT_CONNECT_TIMEOUT = 10.0
 JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
-# `docker run` hardening: no capabilities, no privilege gain, no writes outside /results and /tmp,
-# the caller's uid so results belong to the login; memlock unlimited for the allocator and hugepages.
+# `docker run` hardening, as the Ansible train role runs the job: no capabilities, no privilege gain,
+# no writes outside /results and /tmp, the caller's uid so results belong to the login. No network,
+# unless the job is multi-worker.
 HARDENED_DOCKER_FLAGS = [
     "--cap-drop", "ALL",
     "--security-opt", "no-new-privileges",
     "--read-only",
     "--tmpfs", "/tmp:rw,nosuid,nodev",
     "--pids-limit", "4096",
-    "--ulimit", "memlock=-1:-1",
     "--ipc", "private",
 ]
 
@@ -339,11 +339,14 @@ def _start_on(connection: Any, host: RemoteHost, request: StartRequest, config_t
     environment = {"TF_CONFIG": tf_config} if tf_config else {}
     if request.docker:
         job.update(image=request.image, container=name)
-        command = docker_run_command(name, request.image, folder, name, request.data_dir, environment)
+        nodes = _run(connection, "ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l").stdout.strip()
+        command = docker_run_command(name, request.image, folder, name, request.data_dir, environment,
+                                     numa_nodes=int(nodes) if nodes.isdigit() else 1)
         result = _run(connection, f"cd {shlex.quote(folder)} && (docker rm -f {shlex.quote(name)} >/dev/null 2>&1; "
                                   f"{command})")
         if result.exited != 0:
-            raise BadInput(f"docker run failed on {host.name}: {result.stderr.strip().splitlines()[-1:]}")
+            errors = [line for line in result.stderr.splitlines() if line.startswith("docker:")] or [result.stderr]
+            raise BadInput(f"docker run failed on {host.name}: {errors[0].strip()}")
         job["container_id"] = result.stdout.strip()[:12]
     else:
         command = process_command(host.executable, name, request.data_dir, environment)
@@ -358,7 +361,7 @@ def _start_on(connection: Any, host: RemoteHost, request: StartRequest, config_t
 
 
 def docker_run_command(name: str, image: str, folder: str, run_name: str, data_dir: str | None,
-                       environment: dict[str, str]) -> str:
+                       environment: dict[str, str], numa_nodes: int = 1) -> str:
     """`docker run -d` of one job: hardened, results and config mounted from the job's folder."""
     quote = shlex.quote
     parts = ["docker", "run", "-d", "--name", quote(name), "--user", '"$(id -u):$(id -g)"',
@@ -366,9 +369,11 @@ def docker_run_command(name: str, image: str, folder: str, run_name: str, data_d
              "-v", f'"$PWD/results":/results', "-v", f'"$PWD/config.yaml":/config/job.yaml:ro']
     if data_dir:
         parts += ["-v", f"{quote(data_dir)}:/data:ro"]
-    if environment.get("TF_CONFIG"):
-        # The workers reach each other on the ports TF_CONFIG names.
-        parts += ["--network", "host"]
+    # The workers of a multi-worker job reach each other on the ports TF_CONFIG names.
+    parts += ["--network", "host" if environment.get("TF_CONFIG") else "none"]
+    if numa_nodes > 1:
+        # numactl binds memory and cores to NUMA nodes (the planner's placement).
+        parts += ["--cap-add", "SYS_NICE"]
     for key, value in environment.items():
         parts += ["-e", quote(f"{key}={value}")]
     parts += [quote(image), "run", "--config", "/config/job.yaml", "--results", "/results", "--run-name", quote(run_name)]

@@ -204,3 +204,33 @@ def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
     worker = tmp_path / "w1" / "jobs" / "mw" / "results" / "mw.worker1"
     assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
     assert (chief / "checkpoints" / "last.keras").is_file() and (worker / "checkpoints" / "last.keras").is_file()
+
+
+def _docker_image_present(image: str) -> bool:
+    try:
+        return subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+def test_container_job_over_ssh(inventory, tmp_path):
+    """The default mode: a detached hardened container on the host, its log, status and run directory."""
+    image = os.environ.get("BIGMEM_TRAIN_IMAGE", "bigmem-train")
+    if not _docker_image_present(image):
+        pytest.skip(f"needs a Docker daemon with the {image} image (docker/build-image.sh)")
+    config = write_job(tmp_path / "tiny.yaml", epochs=2)
+    try:
+        started = remote("start", "lab", "--config", config, "--name", "boxed", "--image", image, inventory=inventory)
+        assert started.returncode == 0, started.stderr
+        assert "started boxed on lab (container " in started.stdout
+        followed = remote("logs", "lab", "boxed", "--follow", inventory=inventory, timeout=900)
+        assert "PASS" in followed.stdout, followed.stdout[-3000:] + followed.stderr[-3000:]
+        status = _status(inventory, "boxed")
+        assert status["mode"] == "docker" and status["state"] == "finished" and status["verdict"] == "PASS"
+        fetched = remote("fetch", "lab", "boxed", "--to", tmp_path / "fetched", inventory=inventory)
+        assert fetched.returncode == 0 and "verdict PASS" in fetched.stdout, fetched.stderr
+        assert "PASS" in (tmp_path / "fetched" / "boxed" / "job.log").read_text()
+    finally:
+        subprocess.run(["docker", "rm", "-f", "boxed"], capture_output=True, timeout=60)

@@ -18,7 +18,8 @@ def test_docker_run_is_hardened_and_mounts_the_job():
     assert " ".join(HARDENED_DOCKER_FLAGS) in command
     assert '-v "$PWD/results":/results' in command and '-v "$PWD/config.yaml":/config/job.yaml:ro' in command
     assert "-v /srv/Task01:/data:ro" in command and command.endswith("--run-name job-1 --data /data")
-    assert "--network host" not in command
+    assert "--network none" in command and "--cap-add" not in command
+    assert "--cap-add SYS_NICE" in docker_run_command("job", "image", "jobs/job", "job", None, {}, numa_nodes=2)
 
 
 def test_multi_worker_container_uses_host_network_and_tf_config():
