@@ -121,6 +121,17 @@ def require_cluster(environ: Mapping[str, str] | None = None) -> WorkerCluster:
     return cluster
 
 
+def planned_workers(config: Config, environ: Mapping[str, str] | None = None) -> int:
+    """Workers the planner sizes a job for: TF_CONFIG's count for a multi_worker job, else 1.
+
+    On a workstation, plan a multi-worker job with the TF_CONFIG of one of its hosts:
+    ``TF_CONFIG="$(bigmem-train remote tf-config HOST)" bigmem-train plan -c job.yaml``.
+    """
+    if config.training.strategy != "multi_worker":
+        return 1
+    return worker_count(environ)
+
+
 def per_worker_batch_size(config: Config, workers: int) -> int:
     """Samples each worker computes per step: training.batch_size is the global batch, split evenly."""
     if workers < 1:

@@ -580,9 +580,13 @@ class JobPlan:
     original_batch_size: int = 0
     original_input_shape: tuple[int, int, int] = (0, 0, 0)
     calibration_source: str = ""
+    # Multi-worker: the plan is per host (one replica and its share of the global batch each).
+    workers: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "workers": self.workers,
+            "batch_size_per_worker": self.config.training.batch_size // self.workers,
             "peak_bytes": self.peak_bytes,
             "peak_gib": gib(self.peak_bytes),
             "target_bytes": self.target_bytes,
@@ -617,21 +621,31 @@ def with_job_size(config: Config, batch: int, shape: tuple[int, int, int]) -> Co
 
 def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | None = None) -> JobPlan:
     """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement."""
+    from .distribute import per_worker_batch_size, planned_workers
+
     calibration = calibration or load_calibration()
     table = layer_table(config)
     target = resolve_target(config, host)
+    # A multi-worker job is planned per host: each worker holds a whole replica and computes
+    # batch_size / workers samples; the target is per host too.
+    workers = planned_workers(config)
+    per_host = with_job_size(config, per_worker_batch_size(config, workers), tuple(config.data.input_shape))
     sized = config
     if target is not None:
-        batch, shape = size_to_target(config, target, table, calibration)
-        sized = with_job_size(config, batch, shape)
-    breakdown = breakdown_for(sized, table, calibration, sized.training.batch_size, tuple(sized.data.input_shape))
+        batch, shape = size_to_target(per_host, target, table, calibration)
+        sized = with_job_size(config, batch * workers, shape)
+    breakdown = breakdown_for(sized, table, calibration, sized.training.batch_size // workers,
+                              tuple(sized.data.input_shape))
+    if workers > 1:
+        # The all-reduce packs the gradients into buffers of their size once more.
+        breakdown["allreduce_buffers"] = breakdown["gradients"]
     peak = sum(breakdown.values())
     if host is not None:
         placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
     else:
         placement = Placement("none", [], [], "no host facts")
     return JobPlan(sized, peak, breakdown, target, placement, config.training.batch_size,
-                   tuple(config.data.input_shape), calibration.source)
+                   tuple(config.data.input_shape), calibration.source, workers)
 
 
 def format_plan(plan: JobPlan) -> str:
@@ -645,12 +659,15 @@ def format_plan(plan: JobPlan) -> str:
     if plan.target_bytes is not None:
         lines.append(f"target: {format_bytes(plan.target_bytes)} (resize: {config.footprint.resize}; was input "
                      f"{'x'.join(map(str, plan.original_input_shape))}, batch {plan.original_batch_size})")
+    if plan.workers > 1:
+        lines.append(f"multi-worker: {plan.workers} hosts, each one replica with batch "
+                     f"{config.training.batch_size // plan.workers}; the figures below are per host")
     lines.append("predicted peak memory:")
     width = max(len(key) for key in plan.breakdown)
     for key, value in plan.breakdown.items():
         lines.append(f"  {key:<{width}}  {format_bytes(value)}")
     lines.append(f"  {'total':<{width}}  {format_bytes(plan.peak_bytes)}")
-    voxels = config.training.batch_size * config.voxels_per_sample
+    voxels = config.training.batch_size // plan.workers * config.voxels_per_sample
     lines.append(f"per input voxel: {plan.breakdown['activations'] / voxels:.0f} B kept for backward, "
                  f"{plan.peak_bytes / voxels:.0f} B in all")
     lines.append(f"placement: {plan.placement.policy} ({plan.placement.reason})")

@@ -99,3 +99,17 @@ def test_ansible_renders_the_same_template(tmp_path):
         host, _, rest = line.partition(" | SUCCESS => ")
         message = json.loads(rest)["msg"]
         assert message.strip() == render_tf_config(GROUPS, HOSTVARS, host, "workers")
+
+
+def test_planner_plans_one_replica_per_host(monkeypatch):
+    from bigmem_train.planner import plan_job
+
+    single = load_config(None, {"training.batch_size": 4})
+    multi = load_config(None, {"training.batch_size": 4, "training.strategy": "multi_worker"})
+    monkeypatch.setenv("TF_CONFIG", tf_config(0))
+    single_plan, multi_plan = plan_job(single, None), plan_job(multi, None)
+    assert single_plan.workers == 1 and "allreduce_buffers" not in single_plan.breakdown
+    assert multi_plan.workers == 2 and multi_plan.to_dict()["batch_size_per_worker"] == 2
+    assert multi_plan.breakdown["activations"] * 2 == single_plan.breakdown["activations"]
+    assert multi_plan.breakdown["allreduce_buffers"] == multi_plan.breakdown["gradients"]
+    assert multi_plan.breakdown["weights"] == single_plan.breakdown["weights"]
