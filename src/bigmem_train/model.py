@@ -23,31 +23,126 @@ def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool
     return x
 
 
+@keras.saving.register_keras_serializable(package="bigmem_train")
+class RecomputedBlock(layers.Layer):
+    """One U-Net block whose inner activations are recomputed during backward instead of kept.
+
+    The block is what the planner calls a block (``planner._block_of``): ``downN``/``bottom`` = the conv
+    block; ``upN`` = upsampling, concatenation with the skip, conv block. Only the block's inputs and
+    its output cross into the backward pass; the conv, batch-norm and ReLU outputs inside are rebuilt
+    from the inputs by ``tf.recompute_grad`` when the gradient reaches the block, one block at a time.
+    The inner layers keep the names of the plain model (``down0_conv1``, ``up0_transpose``...).
+    Cost: one extra forward pass of every block (batch-norm moving averages are updated twice per step).
+    """
+
+    def __init__(self, filters: int, batch_norm: bool = True, synchronized: bool = False,
+                 upsampling: str | None = None, **kwargs):
+        super().__init__(**kwargs)
+        self.filters = filters
+        self.batch_norm = batch_norm
+        self.synchronized = synchronized
+        self.upsampling = upsampling
+        self.upsample = None
+        if upsampling == "transpose":
+            self.upsample = layers.Conv3DTranspose(filters, 2, strides=2, padding="same",
+                                                   name=f"{self.name}_transpose")
+        elif upsampling == "resize":
+            self.upsample = layers.UpSampling3D(2, name=f"{self.name}_resize")
+        self.concat = layers.Concatenate(axis=-1, name=f"{self.name}_concat") if upsampling else None
+        self.convs, self.norms = [], []
+        for index in (1, 2):
+            self.convs.append(layers.Conv3D(filters, 3, padding="same", use_bias=not batch_norm,
+                                            name=f"{self.name}_conv{index}"))
+            if batch_norm:
+                self.norms.append(layers.BatchNormalization(momentum=0.9, synchronized=synchronized,
+                                                            name=f"{self.name}_bn{index}"))
+
+    def build(self, input_shape):
+        # Build every inner layer here so no variable is created inside the recomputed function.
+        if self.upsample is not None:
+            x_shape, skip_shape = input_shape
+            self.upsample.build(x_shape)
+            up_shape = self.upsample.compute_output_shape(x_shape)
+            shape = (*up_shape[:-1], up_shape[-1] + skip_shape[-1])
+        else:
+            shape = input_shape
+        for index, conv in enumerate(self.convs):
+            conv.build(shape)
+            shape = (*shape[:-1], self.filters)
+            if self.batch_norm:
+                self.norms[index].build(shape)
+
+    def _forward(self, inputs, training):
+        if self.upsample is not None:
+            x, skip = inputs
+            x = self.concat([self.upsample(x), skip])
+        else:
+            (x,) = inputs
+        for index, conv in enumerate(self.convs):
+            x = conv(x)
+            if self.batch_norm:
+                x = self.norms[index](x, training=training)
+            x = ops.relu(x)
+        return x
+
+    def call(self, inputs, training=None):
+        import tensorflow as tf
+
+        inputs = list(inputs) if self.upsample is not None else [inputs]
+        # A fixed Python bool: the recomputation runs outside Keras' call context.
+        training = bool(training)
+        return tf.recompute_grad(lambda *tensors: self._forward(tensors, training))(*inputs)
+
+    def compute_output_shape(self, input_shape):
+        if self.upsample is not None:
+            x_shape = input_shape[0]
+            return (x_shape[0], *(None if edge is None else edge * 2 for edge in x_shape[1:4]), self.filters)
+        return (*input_shape[:-1], self.filters)
+
+    def get_config(self):
+        return {**super().get_config(), "filters": self.filters, "batch_norm": self.batch_norm,
+                "synchronized": self.synchronized, "upsampling": self.upsampling}
+
+
 def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], channels: int,
                synchronized_batch_norm: bool = False) -> keras.Model:
     """Build the 3D U-Net for volumes of ``input_shape`` (X, Y, Z) with ``channels`` channels last.
 
     ``synchronized_batch_norm``: batch statistics over the global batch of all workers (multi-worker
     training), so every worker normalises alike and keeps the same moving averages.
+    ``model_config.recompute``: each block is one :class:`RecomputedBlock` layer (same inner layer
+    names and weights, nested one level down) whose activations are recomputed during backward.
     """
+    recompute = model_config.recompute
+    batch_norm = model_config.batch_norm
     inputs = keras.Input(shape=(*input_shape, channels), name="volume")
     x = inputs
     skips = []
     for level in range(model_config.depth):
-        x = _conv_block(x, model_config.base_filters * 2**level, model_config.batch_norm, f"down{level}",
-                        synchronized_batch_norm)
+        filters = model_config.base_filters * 2**level
+        if recompute:
+            x = RecomputedBlock(filters, batch_norm, synchronized_batch_norm, name=f"down{level}")(x)
+        else:
+            x = _conv_block(x, filters, batch_norm, f"down{level}", synchronized_batch_norm)
         skips.append(x)
         x = layers.MaxPooling3D(2, name=f"pool{level}")(x)
-    x = _conv_block(x, model_config.base_filters * 2**model_config.depth, model_config.batch_norm, "bottom",
-                    synchronized_batch_norm)
+    filters = model_config.base_filters * 2**model_config.depth
+    if recompute:
+        x = RecomputedBlock(filters, batch_norm, synchronized_batch_norm, name="bottom")(x)
+    else:
+        x = _conv_block(x, filters, batch_norm, "bottom", synchronized_batch_norm)
     for level in reversed(range(model_config.depth)):
         filters = model_config.base_filters * 2**level
+        if recompute:
+            x = RecomputedBlock(filters, batch_norm, synchronized_batch_norm, upsampling=model_config.upsampling,
+                                name=f"up{level}")([x, skips[level]])
+            continue
         if model_config.upsampling == "transpose":
             x = layers.Conv3DTranspose(filters, 2, strides=2, padding="same", name=f"up{level}_transpose")(x)
         else:
             x = layers.UpSampling3D(2, name=f"up{level}_resize")(x)
         x = layers.Concatenate(axis=-1, name=f"up{level}_concat")([x, skips[level]])
-        x = _conv_block(x, filters, model_config.batch_norm, f"up{level}", synchronized_batch_norm)
+        x = _conv_block(x, filters, batch_norm, f"up{level}", synchronized_batch_norm)
     activation = "sigmoid" if model_config.output_classes == 1 else "softmax"
     # The output stays float32 under mixed precision so the loss is computed in full precision.
     outputs = layers.Conv3D(

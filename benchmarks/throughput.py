@@ -1,0 +1,603 @@
+"""Throughput harness: the study's U-Net as a user runs it (reference) vs bigmem-train, and each lever.
+
+Every measurement runs in its own fresh process (environment variables such as LD_PRELOAD and
+TF_ENABLE_ONEDNN_OPTS only take effect at process start), alternating reference and bigmem-train
+repetition by repetition so that load from other work on the machine hits both alike.
+
+    python benchmarks/throughput.py                       # everything: ~25 min on a loaded 2-core VM
+    python benchmarks/throughput.py --sections main       # only reference vs bigmem-train
+    python benchmarks/throughput.py --sections levers --levers recompute "XLA jit_compile"
+
+Writes ``benchmarks/results/throughput.json`` and ``throughput.png`` (``--out``). Per run: median
+wall-clock step time (after warm-up steps, which include tracing), voxels per second, process CPU
+seconds per step (less sensitive to other load than wall time), peak resident memory (VmHWM) and the
+share of resident memory in transparent huge pages (AnonHugePages, sampled during training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+LIBDIR = Path("/usr/lib/x86_64-linux-gnu")
+ALLOCATORS = {
+    "glibc": None,
+    "jemalloc": LIBDIR / "libjemalloc.so.2",
+    "tcmalloc": LIBDIR / "libtcmalloc_minimal.so.4",
+}
+
+# bigmem-train's chosen settings (what the config defaults and the launcher give); each lever below
+# changes exactly one of them.
+CHOSEN = {
+    "onednn": True,
+    "allocator": "tcmalloc",
+    "thp": False,
+    "intra": None,  # None: train.choose_threads (physical cores)
+    "inter": None,  # None: train.choose_threads (1)
+    "pin": False,
+    "precision": "float32",
+    "recompute": False,
+    "xla": False,
+}
+
+LEVERS = {
+    "threads: TF defaults (intra=inter=cores)": {"intra": 0, "inter": 0},
+    "threads: intra 1, inter 1": {"intra": 1, "inter": 1},
+    "pinning: numactl --physcpubind=all --membind=0": {"pin": True},
+    "allocator: glibc": {"allocator": "glibc"},
+    "allocator: jemalloc": {"allocator": "jemalloc"},
+    "THP: glibc malloc hugetlb=1": {"allocator": "glibc", "thp": True},
+    "THP: jemalloc thp:always": {"allocator": "jemalloc", "thp": True},
+    "oneDNN off (Eigen)": {"onednn": False},
+    "mixed_bfloat16": {"precision": "mixed_bfloat16"},
+    "recompute": {"recompute": True},
+    "XLA jit_compile": {"xla": True},
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Worker side (one process per measurement).
+
+
+class PeakSampler:
+    """RSS and AnonHugePages of this process every ``interval`` s; keeps the sample with the largest RSS."""
+
+    def __init__(self, interval: float = 0.5):
+        self.interval = interval
+        self.peak_rss = 0
+        self.huge_at_peak = 0
+        self.max_huge = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    @staticmethod
+    def read() -> tuple[int, int]:
+        text = Path("/proc/self/smaps_rollup").read_text()
+        values = {}
+        for line in text.splitlines()[1:]:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                values[key] = int(parts[0]) * 1024
+        return values.get("Rss", 0), values.get("AnonHugePages", 0)
+
+    def _loop(self):
+        while not self._stop.is_set():
+            rss, huge = self.read()
+            self.max_huge = max(self.max_huge, huge)
+            if rss > self.peak_rss:
+                self.peak_rss, self.huge_at_peak = rss, huge
+            self._stop.wait(self.interval)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _step_callback(keras, record):
+    class StepClock(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not record:
+                record.append((time.perf_counter(), time.process_time()))
+
+        def on_train_batch_end(self, batch, logs=None):
+            float(logs["loss"])  # wait for the step's result
+            record.append((time.perf_counter(), time.process_time()))
+
+    return StepClock()
+
+
+def _durations(record, warmup):
+    walls = [b[0] - a[0] for a, b in zip(record, record[1:])]
+    cpus = [b[1] - a[1] for a, b in zip(record, record[1:])]
+    return walls[warmup:], cpus[warmup:], walls[:warmup]
+
+
+def analytic_training_flops(input_shape, channels, base_filters, depth, batch) -> int:
+    """Convolution FLOPs of one training step (2 per multiply-add), counted from the reference's layers.
+
+    Forward, input gradient and filter gradient each cost the forward FLOPs of a convolution; the first
+    convolution needs no input gradient. Batch norm, ReLU, pooling and the loss are left out (< 1 %).
+    """
+    import math
+
+    from reference_unet import unet3d
+
+    model = unet3d(input_shape, channels, base_filters, depth)
+    total, first = 0, None
+    for layer in model.layers:
+        kind = type(layer).__name__
+        if kind not in ("Conv3D", "Conv3DTranspose"):
+            continue
+        kernel = math.prod(layer.kernel_size)
+        cin = layer.input.shape[-1]
+        cout = layer.filters
+        voxels = math.prod(layer.output.shape[1:4] if kind == "Conv3D" else layer.input.shape[1:4])
+        forward = 2 * kernel * cin * cout * voxels * batch
+        if first is None:
+            first = forward
+        total += 3 * forward
+    return total - first
+
+
+def worker_model(spec: dict) -> dict:
+    """Train ``warmup + steps`` steps of the reference or of bigmem-train; return the figures."""
+    sys.path.insert(0, str(HERE))
+    shape = tuple(spec["shape"])
+    batch, warmup, steps = spec["batch"], spec["warmup"], spec["steps"]
+    baseline_rss = PeakSampler.read()[0]
+    import tensorflow as tf
+
+    after_import_rss = PeakSampler.read()[0]
+    from tensorflow import keras
+
+    record: list = []
+    result: dict = {}
+    if spec["kind"] == "reference":
+        import reference_unet
+
+        index = json.loads((Path(spec["dataset"]) / "dataset.json").read_text())["training"]
+        cases = index[: batch * (warmup + steps)]
+        x, y = reference_unet.load_arrays([Path(spec["dataset"]) / c["image"] for c in cases],
+                                          [Path(spec["dataset"]) / c["label"] for c in cases], shape)
+        model = reference_unet.unet3d(shape, 1, spec["base_filters"], spec["depth"])
+        model.compile(optimizer="adam", loss=reference_unet.dice_bce_loss, metrics=[reference_unet.dice_coef])
+        with PeakSampler() as sampler:
+            model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[_step_callback(keras, record)])
+        result["threads"] = [tf.config.threading.get_intra_op_parallelism_threads(),
+                             tf.config.threading.get_inter_op_parallelism_threads()]
+    else:
+        from bigmem_train.config import config_from_dict
+        from bigmem_train.data import check_dataset, make_datasets, split_cases
+        from bigmem_train.host import read_host_facts
+        from bigmem_train.model import compile_model
+        from bigmem_train.train import choose_threads
+
+        settings = spec["settings"]
+        runtime = {"precision": settings["precision"], "xla": settings["xla"], "allocator": settings["allocator"]}
+        if settings["intra"]:
+            runtime["intra_op_threads"] = settings["intra"]
+        if settings["inter"]:
+            runtime["inter_op_threads"] = settings["inter"]
+        config = config_from_dict({
+            "data": {"source": "decathlon", "path": spec["dataset"], "input_shape": list(shape),
+                     "crop_jitter": 0},
+            "model": {"depth": spec["depth"], "base_filters": spec["base_filters"],
+                      "recompute": settings["recompute"]},
+            "training": {"batch_size": batch, "steps_per_epoch": warmup + steps},
+            "runtime": runtime,
+        })
+        if settings["intra"] == 0:  # 0 = leave TensorFlow's own defaults
+            threads = None
+        else:
+            threads = choose_threads(config, read_host_facts())
+            tf.config.threading.set_intra_op_parallelism_threads(threads[0])
+            tf.config.threading.set_inter_op_parallelism_threads(threads[1])
+        cases = check_dataset(config)
+        train_cases, validation_cases = split_cases(cases, config.data.validation_fraction, config.data.split_seed)
+        datasets = make_datasets(config, train_cases, validation_cases)
+        # The input pipeline on its own: seconds per batch, to compare with the step time.
+        iterator = iter(datasets.train)
+        next(iterator)
+        started = time.perf_counter()
+        for _ in range(3):
+            next(iterator)
+        result["pipeline_seconds_per_batch"] = (time.perf_counter() - started) / 3
+        model = compile_model(config)
+        with PeakSampler() as sampler:
+            model.fit(datasets.train, steps_per_epoch=warmup + steps, epochs=1, verbose=0,
+                      callbacks=[_step_callback(keras, record)])
+        result["threads"] = list(threads) if threads else [0, 0]
+    walls, cpus, warm = _durations(record, warmup)
+    median = statistics.median(walls)
+    result.update({
+        "step_seconds": walls,
+        "median_step_seconds": median,
+        "cpu_seconds_per_step": statistics.median(cpus),
+        "warmup_seconds": warm,
+        "voxels_per_second": batch * shape[0] * shape[1] * shape[2] / median,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_before_import_bytes": baseline_rss,
+        "rss_after_import_bytes": after_import_rss,
+        "sampled_peak_rss_bytes": sampler.peak_rss,
+        "anon_hugepages_at_peak_bytes": sampler.huge_at_peak,
+        "thp_share_at_peak": sampler.huge_at_peak / sampler.peak_rss if sampler.peak_rss else 0.0,
+        "onednn_env": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+        "ld_preload": os.environ.get("LD_PRELOAD", ""),
+        "tensorflow": tf.__version__,
+    })
+    return result
+
+
+def worker_conv(spec: dict) -> dict:
+    """Best FLOP/s of one large 3x3x3 Conv3D forward + both gradients, over a few shapes."""
+    import tensorflow as tf
+
+    if spec.get("intra"):
+        tf.config.threading.set_intra_op_parallelism_threads(spec["intra"])
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+    rows = []
+    for batch, x, y, z, cin, cout in spec["shapes"]:
+        data = tf.random.normal((batch, x, y, z, cin))
+        kernel = tf.Variable(tf.random.normal((3, 3, 3, cin, cout)) * 0.05)
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                tape.watch(data)
+                out = tf.nn.conv3d(data, kernel, [1] * 5, "SAME")
+                loss = tf.reduce_sum(out * out)
+            return tape.gradient(loss, [data, kernel])
+
+        step()
+        times, cpu_times = [], []
+        for _ in range(spec["repeats"]):
+            started, cpu_started = time.perf_counter(), time.process_time()
+            grads = step()
+            grads[0].numpy()
+            times.append(time.perf_counter() - started)
+            cpu_times.append(time.process_time() - cpu_started)
+        flops = 3 * 2 * 27 * cin * cout * batch * x * y * z
+        rows.append({"shape": [batch, x, y, z, cin, cout], "best_seconds": min(times),
+                     "median_seconds": statistics.median(times), "gflops_best": flops / min(times) / 1e9,
+                     "gflops_median": flops / statistics.median(times) / 1e9,
+                     "gflop_per_cpu_second": flops / min(cpu_times) / 1e9})
+    return {"convolutions": rows, "best_gflops": max(row["gflops_best"] for row in rows),
+            "best_gflop_per_cpu_second": max(row["gflop_per_cpu_second"] for row in rows),
+            "onednn_env": os.environ.get("TF_ENABLE_ONEDNN_OPTS")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Orchestrator.
+
+
+def environment_for(kind: str, settings: dict | None) -> tuple[dict, list[str]]:
+    """The child's environment and command prefix: the reference gets the inherited one untouched."""
+    env = dict(os.environ)
+    env["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    for key in ("LD_PRELOAD", "TF_ENABLE_ONEDNN_OPTS", "GLIBC_TUNABLES", "MALLOC_CONF"):
+        env.pop(key, None)
+    prefix: list[str] = []
+    if settings is None:
+        return env, prefix
+    env["TF_ENABLE_ONEDNN_OPTS"] = "1" if settings["onednn"] else "0"
+    library = ALLOCATORS[settings["allocator"]]
+    if library is not None:
+        env["LD_PRELOAD"] = str(library)
+    if settings["thp"]:
+        if settings["allocator"] == "glibc":
+            env["GLIBC_TUNABLES"] = "glibc.malloc.hugetlb=1"
+        elif settings["allocator"] == "jemalloc":
+            env["MALLOC_CONF"] = "thp:always,metadata_thp:auto"
+    if settings["pin"] and shutil.which("numactl"):
+        prefix = ["numactl", "--physcpubind=all", "--membind=0"]
+    return env, prefix
+
+
+def run_child(spec: dict, settings: dict | None, timeout: float) -> dict:
+    env, prefix = environment_for(spec.get("kind", "conv"), settings)
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+        command = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), out.name]
+        started = time.time()
+        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout)[-2000:]
+            return {"error": f"exit {proc.returncode}: {tail}", "process_seconds": time.time() - started}
+        result = json.loads(Path(out.name).read_text())
+    result["process_seconds"] = round(time.time() - started, 1)
+    result["load_average"] = os.getloadavg()[0]
+    return result
+
+
+def spread(values: list[float]) -> dict:
+    values = [v for v in values if v is not None]
+    if not values:
+        return {}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    ok = [run for run in runs if "error" not in run]
+    return {
+        "median_step_seconds": spread([run["median_step_seconds"] for run in ok]),
+        "voxels_per_second": spread([run["voxels_per_second"] for run in ok]),
+        "cpu_seconds_per_step": spread([run["cpu_seconds_per_step"] for run in ok]),
+        "peak_rss_bytes": spread([run["peak_rss_bytes"] for run in ok]),
+        "activation_peak_bytes": spread([run["peak_rss_bytes"] - run["rss_after_import_bytes"] for run in ok]),
+        "thp_share_at_peak": spread([run["thp_share_at_peak"] for run in ok]),
+        "pipeline_seconds_per_batch": spread([run.get("pipeline_seconds_per_batch") for run in ok]),
+        "errors": [run["error"] for run in runs if "error" in run],
+    }
+
+
+def ratios(b_runs: list[dict], a_runs: list[dict]) -> dict:
+    """b/a per repetition pair (runs are interleaved), and their spread."""
+    pairs = [(b, a) for b, a in zip(b_runs, a_runs) if "error" not in b and "error" not in a]
+    return {
+        "voxels_per_second": spread([b["voxels_per_second"] / a["voxels_per_second"] for b, a in pairs]),
+        "median_step_seconds": spread([b["median_step_seconds"] / a["median_step_seconds"] for b, a in pairs]),
+        "cpu_seconds_per_step": spread([b["cpu_seconds_per_step"] / a["cpu_seconds_per_step"] for b, a in pairs]),
+        "peak_rss_bytes": spread([b["peak_rss_bytes"] / a["peak_rss_bytes"] for b, a in pairs]),
+    }
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def describe(run: dict) -> str:
+    if "error" in run:
+        return "ERROR " + run["error"].splitlines()[-1][:200]
+    return (f"step {run['median_step_seconds']:.2f} s, {run['voxels_per_second'] / 1e3:.1f} kvox/s, "
+            f"cpu {run['cpu_seconds_per_step']:.2f} s/step, peak {run['peak_rss_bytes'] / 2**20:.0f} MiB, "
+            f"THP {100 * run['thp_share_at_peak']:.0f} %, load {run['load_average']:.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", type=int, nargs=3, default=[64, 64, 48])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--base-filters", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2, help="steps not timed (tracing, first allocations)")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    parser.add_argument("--reps", type=int, default=3, help="alternating repetitions of reference and bigmem-train")
+    parser.add_argument("--lever-reps", type=int, default=1)
+    parser.add_argument("--lever-warmup", type=int, default=1)
+    parser.add_argument("--lever-steps", type=int, default=2)
+    parser.add_argument("--sections", nargs="+", default=["main", "levers"],
+                        choices=["limit", "main", "levers", "report"],
+                        help="report: only rebuild the table and plot from the JSON")
+    parser.add_argument("--levers", nargs="*", help="only these levers (names as in the table)")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        spec = json.loads(args.worker[0])
+        result = worker_conv(spec) if spec.get("kind") == "conv" else worker_model(spec)
+        Path(args.worker[1]).write_text(json.dumps(result))
+        return 0
+
+    sys.path.insert(0, str(REPO / "src"))
+    sys.path.insert(0, str(HERE))
+    from bigmem_train.synth import write_synthetic_dataset
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    most_steps = max(args.warmup + args.steps, args.lever_warmup + args.lever_steps)
+    dataset = write_synthetic_dataset(args.out / "dataset", cases=args.batch * most_steps + 4,
+                                      shape=tuple(args.shape), seed=7)
+    common = {"shape": args.shape, "batch": args.batch, "base_filters": args.base_filters, "depth": args.depth,
+              "warmup": args.warmup, "steps": args.steps, "dataset": str(dataset)}
+    results_path = args.out / "throughput.json"
+    report: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
+    report.update({
+        "command": "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "flags": _flags_of_interest(),
+                 "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()},
+        "workload": {key: common[key] for key in ("shape", "batch", "base_filters", "depth")},
+        "chosen_settings": CHOSEN,
+    })
+    conv_spec = {"kind": "conv", "repeats": 3,
+                 "shapes": [[2, 32, 32, 24, 64, 64], [1, 64, 64, 64, 32, 32], [2, 64, 64, 48, 16, 16]]}
+    if "limit" in args.sections:
+        limit_runs = {}
+        for label, settings in (("stock", None), ("chosen", CHOSEN)):
+            log(f"limit: single Conv3D forward+backward ({label} settings)")
+            run = run_child(conv_spec, settings, args.timeout)
+            limit_runs[label] = run
+            log(json.dumps({k: v for k, v in run.items() if k != "convolutions"}))
+        report["limit_settings"] = limit_runs
+
+    if "main" in args.sections:
+        runs = {"reference": [], "bigmem": []}
+        for rep in range(args.reps):
+            for name in (("reference", "bigmem") if rep % 2 == 0 else ("bigmem", "reference")):
+                spec = {**common, "kind": name, "settings": CHOSEN}
+                run = run_child(spec, None if name == "reference" else CHOSEN, args.timeout)
+                runs[name].append(run)
+                log(f"rep {rep + 1} {name}: {describe(run)}")
+            # The limit in the same repetition, under the same load: one Conv3D forward + backward.
+            run = run_child(conv_spec, CHOSEN, args.timeout)
+            runs.setdefault("conv", []).append(run)
+            log(f"rep {rep + 1} conv limit: " + json.dumps({k: v for k, v in run.items() if k != "convolutions"}))
+        report["main"] = {"runs": runs, "reference": summarize(runs["reference"]),
+                          "bigmem": summarize(runs["bigmem"]), "warmup": args.warmup, "steps": args.steps,
+                          "ratio_bigmem_over_reference": ratios(runs["bigmem"], runs["reference"])}
+
+    if "levers" in args.sections:
+        levers = dict(report.get("levers", {}))
+        names = args.levers or list(LEVERS)
+        for rep in range(args.lever_reps):
+            for name in ["bigmem-train (chosen)", *names]:
+                settings = {**CHOSEN, **LEVERS.get(name, {})}
+                spec = {**common, "kind": "bigmem", "settings": settings,
+                        "warmup": args.lever_warmup, "steps": args.lever_steps}
+                run = run_child(spec, settings, args.timeout)
+                entry = levers.setdefault(name, {"settings": settings, "runs": []})
+                if rep == 0 and entry.get("started") != report["started"]:
+                    entry.update({"runs": [], "started": report["started"], "settings": settings,
+                                  "warmup": args.lever_warmup, "steps": args.lever_steps})
+                entry["runs"].append(run)
+                log(f"lever {name}: {describe(run)}")
+        for entry in levers.values():
+            entry["summary"] = summarize(entry["runs"])
+        report["levers"] = levers
+
+    report.setdefault("commands", {}).update({section: report["command"] for section in args.sections})
+    # Another invocation (other sections) may have written meanwhile: keep its sections.
+    latest = json.loads(results_path.read_text()) if results_path.exists() else {}
+    for section in ("main", "levers", "limit_settings"):
+        if section in latest and section not in args.sections and not (section == "limit_settings" and "limit" in args.sections):
+            report[section] = latest[section]
+    report["commands"] = {**latest.get("commands", {}), **report["commands"]}
+    _add_flops(report, args)
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    results_path.write_text(json.dumps(report, indent=1))
+    _print_table(report)
+    try:
+        _plot(report, args.out / "throughput.png")
+    except Exception as error:  # the numbers matter more than the picture
+        log(f"plot failed: {error}")
+    return 0
+
+
+def _add_flops(report: dict, args) -> None:
+    sys.path.insert(0, str(HERE))
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    flops = analytic_training_flops(tuple(args.shape), 1, args.base_filters, args.depth, args.batch)
+    report["training_flops_per_step"] = flops
+    main_section = report.get("main")
+    if main_section:
+        runs = main_section["runs"]
+        shares, cpu_shares, limits, cpu_limits = [], [], [], []
+        for name in ("reference", "bigmem"):
+            summary = main_section[name]
+            per_rep = []
+            for run, conv in zip(runs[name], runs.get("conv", [])):
+                if "error" in run or "error" in conv:
+                    continue
+                achieved = flops / run["median_step_seconds"] / 1e9
+                achieved_cpu = flops / run["cpu_seconds_per_step"] / 1e9
+                per_rep.append((achieved, achieved / conv["best_gflops"],
+                                achieved_cpu / conv["best_gflop_per_cpu_second"]))
+            summary["achieved_gflops"] = spread([row[0] for row in per_rep])
+            summary["share_of_limit"] = spread([row[1] for row in per_rep])
+            summary["share_of_limit_cpu_time"] = spread([row[2] for row in per_rep])
+        conv_ok = [conv for conv in runs.get("conv", []) if "error" not in conv]
+        report["limit"] = {"best_gflops": spread([conv["best_gflops"] for conv in conv_ok]),
+                           "best_gflop_per_cpu_second": spread([conv["best_gflop_per_cpu_second"] for conv in conv_ok]),
+                           "shapes": conv_spec_shapes()}
+    for entry in report.get("levers", {}).values():
+        step = entry["summary"]["median_step_seconds"]
+        if step:
+            entry["summary"]["achieved_gflops"] = flops / step["median"] / 1e9
+
+
+def conv_spec_shapes() -> str:
+    return "batch, X, Y, Z, in, out channels; best of these: [2,32,32,24,64,64], [1,64,64,64,32,32], [2,64,64,48,16,16]"
+
+
+def _print_table(report: dict) -> None:
+    main_section = report.get("main")
+    if main_section:
+        print("\n| run | median step s (min-max) | kvoxels/s | CPU s/step | peak RSS MiB | THP share |")
+        print("|---|---|---|---|---|---|")
+        for name in ("reference", "bigmem"):
+            s = main_section[name]
+            print(f"| {name} | {s['median_step_seconds']['median']:.2f} ({s['median_step_seconds']['min']:.2f}-"
+                  f"{s['median_step_seconds']['max']:.2f}) | {s['voxels_per_second']['median'] / 1e3:.1f} | "
+                  f"{s['cpu_seconds_per_step']['median']:.2f} | {s['peak_rss_bytes']['median'] / 2**20:.0f} | "
+                  f"{100 * s['thp_share_at_peak']['median']:.0f} % |")
+        r = main_section["ratio_bigmem_over_reference"]
+        print(f"ratio b/a voxels/s {r['voxels_per_second']}, peak {r['peak_rss_bytes']}")
+    for name, entry in report.get("levers", {}).items():
+        s = entry["summary"]
+        if s["median_step_seconds"]:
+            print(f"lever {name:50s} step {s['median_step_seconds']['median']:.2f} s "
+                  f"cpu {s['cpu_seconds_per_step']['median']:.2f} peak {s['peak_rss_bytes']['median'] / 2**20:.0f} MiB "
+                  f"THP {100 * s['thp_share_at_peak']['median']:.0f} %")
+    print(f"limit {json.dumps(report.get('limit'))}; training FLOPs/step {report['training_flops_per_step'] / 1e9:.1f} G")
+    for name in ("reference", "bigmem"):
+        if main_section:
+            print(name, "achieved GFLOP/s", main_section[name].get("achieved_gflops"),
+                  "share", main_section[name].get("share_of_limit"),
+                  "share (CPU time)", main_section[name].get("share_of_limit_cpu_time"))
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, steps, lows, highs, peaks = [], [], [], [], []
+    main_section = report.get("main", {})
+    for name, label in (("reference", "reference (plain Keras, stock TF)"), ("bigmem", "bigmem-train (chosen)")):
+        if name in main_section and main_section[name]["median_step_seconds"]:
+            s = main_section[name]
+            names.append(label)
+            steps.append(s["median_step_seconds"]["median"])
+            lows.append(s["median_step_seconds"]["min"])
+            highs.append(s["median_step_seconds"]["max"])
+            peaks.append(s["peak_rss_bytes"]["median"] / 2**20)
+    for name, entry in report.get("levers", {}).items():
+        s = entry["summary"]
+        if s["median_step_seconds"] and name != "bigmem-train (chosen)":
+            names.append("lever: " + name)
+            steps.append(s["median_step_seconds"]["median"])
+            lows.append(s["median_step_seconds"]["min"])
+            highs.append(s["median_step_seconds"]["max"])
+            peaks.append(s["peak_rss_bytes"]["median"] / 2**20)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.8), sharey=True)
+    positions = range(len(names))
+    errors = [[s - lo for s, lo in zip(steps, lows)], [hi - s for s, hi in zip(steps, highs)]]
+    left.barh(positions, steps, xerr=errors, color=["#999"] + ["#3a7"] * (len(names) - 1))
+    left.set_yticks(list(positions), names)
+    left.invert_yaxis()
+    left.set_xlabel("median training step, s (bars: min-max over repetitions)")
+    right.barh(positions, peaks, color="#58c")
+    right.set_xlabel("peak resident memory, MiB")
+    workload = report["workload"]
+    fig.suptitle(f"3D U-Net {workload['shape']} x batch {workload['batch']}, {workload['base_filters']} filters, "
+                 f"depth {workload['depth']} on {report['host']['cpu']} ({report['host']['cores']} cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def _flags_of_interest() -> list[str]:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+    return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
