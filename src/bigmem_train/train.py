@@ -41,6 +41,12 @@ def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = Non
 
 
 def tensorflow_build_info() -> dict[str, Any]:
+    """TensorFlow and oneDNN as this process really runs them.
+
+    ``onednn_requested`` is the TF_ENABLE_ONEDNN_OPTS switch (on by default on x86 Linux);
+    ``onednn_built`` is what the TensorFlow build reports (``IsMklEnabled``). Only both together
+    make the run "Intel-optimized" in the study's sense.
+    """
     import tensorflow as tf
 
     try:
@@ -49,14 +55,15 @@ def tensorflow_build_info() -> dict[str, Any]:
         onednn_built = bool(_pywrap_util_port.IsMklEnabled())
     except (ImportError, AttributeError):
         onednn_built = None
-    enabled = onednn_enabled()
+    requested = onednn_enabled()
+    enabled = bool(requested and onednn_built)
     return {
         "tensorflow_version": tf.__version__,
         "keras_version": __import__("keras").__version__,
+        "onednn_requested": requested,
         "onednn_built": onednn_built,
         "onednn_enabled": enabled,
-        # The study's label: only when oneDNN really is in the build and switched on.
-        "intel_optimized": bool(enabled and onednn_built is not False),
+        "intel_optimized": enabled,
     }
 
 
