@@ -176,6 +176,19 @@ def compute_metrics(run_dir: Path, config: Config, plan: dict[str, Any] | None,
     return metrics
 
 
+def _fit(model, datasets, config: Config, callbacks: list, verbose: int) -> None:
+    model.fit(
+        datasets.train,
+        epochs=config.training.epochs,
+        steps_per_epoch=datasets.train_steps,
+        validation_data=datasets.validation,
+        validation_steps=datasets.validation_steps,
+        callbacks=callbacks,
+        shuffle=False,  # the tf.data pipeline shuffles cases itself
+        verbose=verbose,
+    )
+
+
 def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[str, Any] | None,
           host: HostFacts, resuming: bool = False) -> dict[str, Any]:
     """Train the configured U-Net; write history, steps, memory, checkpoints and metrics.json."""
@@ -187,7 +200,7 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
     tf.config.threading.set_inter_op_parallelism_threads(inter)
     import keras
 
-    from .data import make_datasets
+    from .data import bad_input_from, make_datasets
     from .model import compile_model
 
     keras.utils.set_random_seed(config.training.seed)
@@ -227,16 +240,14 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
           + (" (resuming from backup)" if resuming else ""), flush=True)
     started = time.time()
     with MemorySampler(run_dir / "memory.csv", config.output.sample_interval, numa_nodes) as sampler:
-        model.fit(
-            datasets.train,
-            epochs=config.training.epochs,
-            steps_per_epoch=datasets.train_steps,
-            validation_data=datasets.validation,
-            validation_steps=datasets.validation_steps,
-            callbacks=callbacks,
-            shuffle=False,  # the tf.data pipeline shuffles cases itself
-            verbose=progress_bar if is_chief else 0,
-        )
+        try:
+            _fit(model, datasets, config, callbacks, progress_bar if is_chief else 0)
+        except tf.errors.OpError as error:
+            # A volume that turned out unreadable mid-run: one line naming the file, exit 2.
+            bad_input = bad_input_from(error)
+            if bad_input is None:
+                raise
+            raise bad_input from None
     session_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     extra = {
         **build,
