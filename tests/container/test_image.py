@@ -27,8 +27,8 @@ HARDENED = [
 ]
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
-# A short job for the runs that check plumbing, not learning.
-SHORT = ["--set", "training.epochs=2", "--set", "validation.dice_floor=0.0"]
+# Criteria off for the short runs that check plumbing, not learning.
+SHORT = ["--set", "validation.dice_floor=0.0", "--set", "validation.require_loss_decrease=false"]
 
 
 def docker_run(image: str, *args: str, options: list[str] | None = None, entrypoint: str | None = None,
@@ -198,8 +198,7 @@ def test_real_data_read_only_with_a_rendered_config(bigmem_image: str, tmp_path:
     assert render.returncode == 0, render.stderr
     config = yaml.safe_load((results / "train.yaml").read_text())
     assert config["data"]["source"] == "decathlon" and config["data"]["path"] == "/data"
-    result = docker_run(bigmem_image, "run", "--config", "/results/train.yaml", "--run-name", "real",
-                        "--set", "validation.dice_floor=0.0",
+    result = docker_run(bigmem_image, "run", "--config", "/results/train.yaml", "--run-name", "real", *SHORT,
                         options=["-v", f"{dataset}:/data:ro", "-v", f"{results}:/results"], timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"LD_PRELOAD={JEMALLOC}" in result.stdout
