@@ -22,7 +22,7 @@ training:
   epochs: {epochs}
   learning_rate: 0.003
 validation:
-  dice_floor: 0.3
+  dice_floor: 0.5
 output:
   results_dir: {results}
   tensorboard: false
@@ -40,5 +40,5 @@ def bigmem(*args, cwd=None, timeout=900, env=None):
 def tiny_job(tmp_path) -> Path:
     """Write a tiny synthetic job config (epochs adjustable via --set)."""
     path = tmp_path / "tiny.yaml"
-    path.write_text(TINY_JOB.format(epochs=8, results=tmp_path / "results"))
+    path.write_text(TINY_JOB.format(epochs=6, results=tmp_path / "results"))
     return path
