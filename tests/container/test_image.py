@@ -130,10 +130,12 @@ def test_bad_config_exits_2_through_docker_run(bigmem_image: str, tmp_path: Path
 
 def test_does_not_fit_exits_3_through_docker_run(bigmem_image: str, tmp_path: Path) -> None:
     results = results_folder(tmp_path / "results")
-    result = docker_run(bigmem_image, "run", "--results", "/results", "--target", "100TB",
-                        options=["-v", f"{results}:/results"])
+    # The study's job (about 1 TB at batch 16) on synthetic data: refused by preflight before any write.
+    result = docker_run(bigmem_image, "run", "--results", "/results", "--config", "study",
+                        "--set", "data.source=synthetic", options=["-v", f"{results}:/results"])
     assert result.returncode == 3, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+    assert "exceeds" in result.stderr
     assert not any(results.iterdir()), "a job that does not fit must leave nothing behind"
 
 
