@@ -79,6 +79,14 @@ if [ "$force" -eq 0 ] && [ "$current" = "$context_sha256" ]; then
     echo "$tag"
     exit 0
 fi
+# Another tag of the same context (bigmem-train:latest for the tests' bigmem-train:test): retag it.
+same=$(docker images -q --filter "label=org.bigmem-train.context-sha256=$context_sha256" | head -n 1)
+if [ "$force" -eq 0 ] && [ -n "$same" ]; then
+    docker tag "$same" "$tag"
+    echo "image $tag is current (context ${context_sha256:0:16}, tagged from $same)"
+    echo "$tag"
+    exit 0
+fi
 
 # 2. The wheelhouse (kept when PyPI is out of reach and it is already filled: the build checks hashes).
 start=$(seconds)
