@@ -38,19 +38,29 @@ ALLOCATORS = {
     "tcmalloc": LIBDIR / "libtcmalloc_minimal.so.4",
 }
 
-# bigmem-train's chosen settings (what the config defaults and the launcher give); each lever below
-# changes exactly one of them.
-CHOSEN = {
-    "onednn": True,
-    "allocator": "tcmalloc",
-    "thp": False,
-    "intra": None,  # None: train.choose_threads (physical cores)
-    "inter": None,  # None: train.choose_threads (1)
-    "pin": False,
-    "precision": "float32",
-    "recompute": False,
-    "xla": False,
-}
+
+
+def chosen_settings() -> dict:
+    """bigmem-train's chosen settings: the config schema's defaults (one source of truth); each lever
+    below changes exactly one of them."""
+    sys.path.insert(0, str(REPO / "src"))
+    from bigmem_train.config import Config
+
+    config = Config()
+    return {
+        "onednn": config.runtime.onednn,
+        "allocator": config.runtime.allocator,
+        "thp": False,
+        "intra": config.runtime.intra_op_threads,  # None: train.choose_threads (physical cores)
+        "inter": config.runtime.inter_op_threads,  # None: train.choose_threads (1)
+        "pin": False,
+        "precision": config.runtime.precision,
+        "recompute": config.model.recompute,
+        "xla": config.runtime.xla,
+    }
+
+
+CHOSEN = chosen_settings()
 
 LEVERS = {
     "threads: TF defaults (intra=inter=cores)": {"intra": 0, "inter": 0},
@@ -316,10 +326,15 @@ def run_child(spec: dict, settings: dict | None, timeout: float) -> dict:
     with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
         command = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), out.name]
         started = time.time()
-        proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        try:
+            proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:.0f} s", "process_seconds": time.time() - started,
+                    "load_average": os.getloadavg()[0]}
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout)[-2000:]
-            return {"error": f"exit {proc.returncode}: {tail}", "process_seconds": time.time() - started}
+            return {"error": f"exit {proc.returncode}: {tail}", "process_seconds": time.time() - started,
+                    "load_average": os.getloadavg()[0]}
         result = json.loads(Path(out.name).read_text())
     result["process_seconds"] = round(time.time() - started, 1)
     result["load_average"] = os.getloadavg()[0]
@@ -380,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
     parser.add_argument("--reps", type=int, default=3, help="alternating repetitions of reference and bigmem-train")
     parser.add_argument("--lever-reps", type=int, default=1)
+    parser.add_argument("--skip-baseline", action="store_true",
+                        help="levers: keep the chosen-settings run from the JSON instead of running it again")
     parser.add_argument("--lever-warmup", type=int, default=1)
     parser.add_argument("--lever-steps", type=int, default=2)
     parser.add_argument("--sections", nargs="+", default=["main", "levers"],
@@ -403,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     most_steps = max(args.warmup + args.steps, args.lever_warmup + args.lever_steps)
-    dataset = write_synthetic_dataset(args.out / "dataset", cases=args.batch * most_steps + 4,
-                                      shape=tuple(args.shape), seed=7)
+    dataset = args.out / "dataset"
+    if set(args.sections) - {"report"}:
+        dataset = write_synthetic_dataset(dataset, cases=max(16, args.batch * most_steps + 4),
+                                          shape=tuple(args.shape), seed=7)
     common = {"shape": args.shape, "batch": args.batch, "base_filters": args.base_filters, "depth": args.depth,
               "warmup": args.warmup, "steps": args.steps, "dataset": str(dataset)}
     results_path = args.out / "throughput.json"
@@ -442,13 +461,14 @@ def main(argv: list[str] | None = None) -> int:
             log(f"rep {rep + 1} conv limit: " + json.dumps({k: v for k, v in run.items() if k != "convolutions"}))
         report["main"] = {"runs": runs, "reference": summarize(runs["reference"]),
                           "bigmem": summarize(runs["bigmem"]), "warmup": args.warmup, "steps": args.steps,
+                 "workload": report["workload"],
                           "ratio_bigmem_over_reference": ratios(runs["bigmem"], runs["reference"])}
 
     if "levers" in args.sections:
         levers = dict(report.get("levers", {}))
         names = args.levers or list(LEVERS)
         for rep in range(args.lever_reps):
-            for name in ["bigmem-train (chosen)", *names]:
+            for name in (names if args.skip_baseline else ["bigmem-train (chosen)", *names]):
                 settings = {**CHOSEN, **LEVERS.get(name, {})}
                 spec = {**common, "kind": "bigmem", "settings": settings,
                         "warmup": args.lever_warmup, "steps": args.lever_steps}
@@ -459,20 +479,17 @@ def main(argv: list[str] | None = None) -> int:
                                   "warmup": args.lever_warmup, "steps": args.lever_steps})
                 entry["runs"].append(run)
                 log(f"lever {name}: {describe(run)}")
+                entry["summary"] = summarize(entry["runs"])
+                report["levers"] = levers
+                report["levers_workload"] = {**report["workload"], "warmup": args.lever_warmup,
+                                             "steps": args.lever_steps}
+                save(report, args, results_path)  # a partial run still leaves its numbers
         for entry in levers.values():
             entry["summary"] = summarize(entry["runs"])
         report["levers"] = levers
+        report["levers_workload"] = {**report["workload"], "warmup": args.lever_warmup, "steps": args.lever_steps}
 
-    report.setdefault("commands", {}).update({section: report["command"] for section in args.sections})
-    # Another invocation (other sections) may have written meanwhile: keep its sections.
-    latest = json.loads(results_path.read_text()) if results_path.exists() else {}
-    for section in ("main", "levers", "limit_settings"):
-        if section in latest and section not in args.sections and not (section == "limit_settings" and "limit" in args.sections):
-            report[section] = latest[section]
-    report["commands"] = {**latest.get("commands", {}), **report["commands"]}
-    _add_flops(report, args)
-    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    results_path.write_text(json.dumps(report, indent=1))
+    save(report, args, results_path)
     _print_table(report)
     try:
         _plot(report, args.out / "throughput.png")
@@ -481,10 +498,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def save(report: dict, args, results_path: Path) -> None:
+    """Write the JSON; sections another invocation wrote meanwhile (other --sections) are kept."""
+    report.setdefault("commands", {}).update({section: report["command"] for section in args.sections})
+    latest = json.loads(results_path.read_text()) if results_path.exists() else {}
+    for section in ("main", "levers", "levers_workload", "limit_settings"):
+        mine = section.split("_")[0] in args.sections
+        if section in latest and not mine:
+            report[section] = latest[section]
+    report["commands"] = {**latest.get("commands", {}), **report["commands"]}
+    _add_flops(report, args)
+    report["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    results_path.write_text(json.dumps(report, indent=1))
+
+
 def _add_flops(report: dict, args) -> None:
     sys.path.insert(0, str(HERE))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    flops = analytic_training_flops(tuple(args.shape), 1, args.base_filters, args.depth, args.batch)
+    def flops_of(workload):
+        return analytic_training_flops(tuple(workload["shape"]), 1, workload["base_filters"], workload["depth"],
+                                       workload["batch"])
+
+    fallback = {"shape": args.shape, "batch": args.batch, "base_filters": args.base_filters, "depth": args.depth}
+    flops = flops_of(report.get("main", {}).get("workload", fallback))
     report["training_flops_per_step"] = flops
     main_section = report.get("main")
     if main_section:
@@ -507,41 +543,81 @@ def _add_flops(report: dict, args) -> None:
         report["limit"] = {"best_gflops": spread([conv["best_gflops"] for conv in conv_ok]),
                            "best_gflop_per_cpu_second": spread([conv["best_gflop_per_cpu_second"] for conv in conv_ok]),
                            "shapes": conv_spec_shapes()}
+    lever_flops = flops_of(report.get("levers_workload", fallback))
     for entry in report.get("levers", {}).values():
         step = entry["summary"]["median_step_seconds"]
         if step:
-            entry["summary"]["achieved_gflops"] = flops / step["median"] / 1e9
+            entry["summary"]["achieved_gflops"] = lever_flops / step["median"] / 1e9
+            entry["summary"]["gflop_per_cpu_second"] = lever_flops / entry["summary"]["cpu_seconds_per_step"]["median"] / 1e9
 
 
 def conv_spec_shapes() -> str:
     return "batch, X, Y, Z, in, out channels; best of these: [2,32,32,24,64,64], [1,64,64,64,32,32], [2,64,64,48,16,16]"
 
 
-def _print_table(report: dict) -> None:
+def _fmt(summary: dict, scale: float = 1.0, digits: int = 2) -> str:
+    if not summary:
+        return "-"
+    text = f"{summary['median'] * scale:.{digits}f}"
+    if summary["n"] > 1:
+        text += f" ({summary['min'] * scale:.{digits}f}-{summary['max'] * scale:.{digits}f})"
+    return text
+
+
+def markdown_tables(report: dict) -> str:
+    """The tables of docs/performance.md: median (min-max) over repetitions."""
+    lines = []
     main_section = report.get("main")
     if main_section:
-        print("\n| run | median step s (min-max) | kvoxels/s | CPU s/step | peak RSS MiB | THP share |")
-        print("|---|---|---|---|---|---|")
-        for name in ("reference", "bigmem"):
+        lines += ["| run | median step, s | kvoxels/s | CPU s/step | peak RSS, MiB | peak - RSS after import, MiB "
+                  "| THP share of RSS | GFLOP/s | share of conv limit (wall / CPU time) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, label in (("reference", "(a) reference: plain Keras, stock TF"),
+                            ("bigmem", "(b) bigmem-train, chosen settings")):
             s = main_section[name]
-            print(f"| {name} | {s['median_step_seconds']['median']:.2f} ({s['median_step_seconds']['min']:.2f}-"
-                  f"{s['median_step_seconds']['max']:.2f}) | {s['voxels_per_second']['median'] / 1e3:.1f} | "
-                  f"{s['cpu_seconds_per_step']['median']:.2f} | {s['peak_rss_bytes']['median'] / 2**20:.0f} | "
-                  f"{100 * s['thp_share_at_peak']['median']:.0f} % |")
+            lines.append(f"| {label} | {_fmt(s['median_step_seconds'])} | {_fmt(s['voxels_per_second'], 1e-3, 1)} "
+                         f"| {_fmt(s['cpu_seconds_per_step'])} | {_fmt(s['peak_rss_bytes'], 2**-20, 0)} "
+                         f"| {_fmt(s['activation_peak_bytes'], 2**-20, 0)} | {_fmt(s['thp_share_at_peak'], 100, 0)} % "
+                         f"| {_fmt(s.get('achieved_gflops', {}), 1, 1)} | {_fmt(s.get('share_of_limit', {}), 100, 0)} % / "
+                         f"{_fmt(s.get('share_of_limit_cpu_time', {}), 100, 0)} % |")
         r = main_section["ratio_bigmem_over_reference"]
-        print(f"ratio b/a voxels/s {r['voxels_per_second']}, peak {r['peak_rss_bytes']}")
-    for name, entry in report.get("levers", {}).items():
-        s = entry["summary"]
-        if s["median_step_seconds"]:
-            print(f"lever {name:50s} step {s['median_step_seconds']['median']:.2f} s "
-                  f"cpu {s['cpu_seconds_per_step']['median']:.2f} peak {s['peak_rss_bytes']['median'] / 2**20:.0f} MiB "
-                  f"THP {100 * s['thp_share_at_peak']['median']:.0f} %")
-    print(f"limit {json.dumps(report.get('limit'))}; training FLOPs/step {report['training_flops_per_step'] / 1e9:.1f} G")
-    for name in ("reference", "bigmem"):
-        if main_section:
-            print(name, "achieved GFLOP/s", main_section[name].get("achieved_gflops"),
-                  "share", main_section[name].get("share_of_limit"),
-                  "share (CPU time)", main_section[name].get("share_of_limit_cpu_time"))
+        lines.append(f"| ratio b/a (per repetition pair) | {_fmt(r['median_step_seconds'])} | "
+                     f"{_fmt(r['voxels_per_second'])} | {_fmt(r['cpu_seconds_per_step'])} | "
+                     f"{_fmt(r['peak_rss_bytes'])} | | | | |")
+        limit = report.get("limit", {})
+        if limit.get("best_gflops"):
+            lines.append("")
+            lines.append(f"Conv limit (single 3x3x3 Conv3D forward + input and filter gradients, best shape, "
+                         f"measured in each repetition): {_fmt(limit['best_gflops'], 1, 1)} GFLOP/s wall, "
+                         f"{_fmt(limit['best_gflop_per_cpu_second'], 1, 1)} GFLOP per CPU-second. "
+                         f"Training step: {report['training_flops_per_step'] / 1e9:.1f} GFLOP (analytic, convolutions).")
+    levers = report.get("levers")
+    if levers:
+        base = levers.get("bigmem-train (chosen)", {}).get("summary", {})
+        lines += ["", "| lever (one change from the chosen settings) | median step, s | CPU s/step | CPU vs chosen "
+                  "| peak RSS, MiB | peak vs chosen | THP share | note |", "|---|---|---|---|---|---|---|---|"]
+        for name, entry in levers.items():
+            s = entry["summary"]
+            if not s["median_step_seconds"]:
+                lines.append(f"| {name} | - | - | - | - | - | - | {'; '.join(s['errors'])[:80]} |")
+                continue
+            cpu_ratio = (s["cpu_seconds_per_step"]["median"] / base["cpu_seconds_per_step"]["median"]
+                         if base.get("cpu_seconds_per_step") else None)
+            peak_ratio = (s["peak_rss_bytes"]["median"] / base["peak_rss_bytes"]["median"]
+                          if base.get("peak_rss_bytes") else None)
+            pipeline = s.get("pipeline_seconds_per_batch") or {}
+            note = f"input pipeline {pipeline['median']:.2f} s/batch" if pipeline else ""
+            lines.append(f"| {name} | {_fmt(s['median_step_seconds'])} | {_fmt(s['cpu_seconds_per_step'])} | "
+                         f"{'%.2fx' % cpu_ratio if cpu_ratio else '-'} | {_fmt(s['peak_rss_bytes'], 2**-20, 0)} | "
+                         f"{'%.2fx' % peak_ratio if peak_ratio else '-'} | {_fmt(s['thp_share_at_peak'], 100, 0)} % | {note} |")
+    return "\n".join(lines)
+
+
+def _print_table(report: dict) -> None:
+    print(markdown_tables(report))
+    main_section = report.get("main")
+    if main_section:
+        print("ratios b/a:", json.dumps(main_section["ratio_bigmem_over_reference"]))
 
 
 def _plot(report: dict, path: Path) -> None:

@@ -126,8 +126,13 @@ class RuntimeConfig(_Section):
     inter_op_threads: int | None = Field(None, ge=1, le=64)
     # "float32" or Keras mixed precision "mixed_bfloat16".
     precision: Literal["float32", "mixed_bfloat16"] = "float32"
-    # Memory allocator preloaded by the container entrypoint.
-    allocator: Literal["glibc", "jemalloc", "tcmalloc"] = "glibc"
+    # Memory allocator preloaded by the container entrypoint and the CLI's launcher (LD_PRELOAD).
+    # tcmalloc: fastest and lowest peak of the three here (docs/performance.md).
+    allocator: Literal["glibc", "jemalloc", "tcmalloc"] = "tcmalloc"
+    # oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported). Stock TensorFlow only
+    # turns them on for CPUs with AVX512_VNNI/BF16 or AMX; on AVX2 it runs Eigen's convolutions, about
+    # 3-4x slower for this model (docs/performance.md), so bigmem-train asks for them explicitly.
+    onednn: bool = True
     # NUMA placement: "auto" binds to one node when the job fits it, else interleaves.
     numa_policy: Literal["auto", "bind", "interleave", "none"] = "auto"
     # XLA JIT compilation of the train step.

@@ -1,0 +1,66 @@
+"""The winning performance settings (docs/performance.md) stay wired as the defaults; not the speed."""
+
+import sys
+from pathlib import Path
+
+from bigmem_train.config import Config, load_config
+from bigmem_train.host import HostFacts
+from bigmem_train.pipeline import ALLOCATOR_LIBRARIES, launch_command
+from bigmem_train.render import render
+from bigmem_train.train import choose_threads
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def one_node_host(cores: int = 2) -> HostFacts:
+    return HostFacts(hostname="h", memory_total_bytes=2**34, memory_available_bytes=2**34, swap_total_bytes=0,
+                     cgroup_limit_bytes=None, cgroup_version=2, logical_cpus=cores, physical_cores=cores,
+                     usable_cpus=list(range(cores)))
+
+
+def test_runtime_defaults_are_the_measured_winners():
+    runtime = Config().runtime
+    assert runtime.onednn is True  # stock TF leaves oneDNN off on AVX2-only CPUs: 3-4x slower
+    assert runtime.allocator == "tcmalloc"  # fastest and lowest peak of glibc/jemalloc/tcmalloc here
+    assert runtime.precision == "float32"  # no AVX512_BF16/AMX here: mixed_bfloat16 is slower
+    assert runtime.xla is False  # XLA's CPU convolutions are Eigen's, not oneDNN's
+    assert Config().model.recompute is False  # a memory lever, not a speed lever: opt-in
+    for preset in ("default", "study"):
+        assert load_config(preset).runtime == runtime
+
+
+def test_threads_default_to_all_cores_and_one_inter_op_thread():
+    assert choose_threads(Config(), one_node_host(2)) == (2, 1)
+    assert choose_threads(Config(), one_node_host(48)) == (48, 1)
+
+
+def test_the_launcher_preloads_the_default_allocator(monkeypatch):
+    monkeypatch.delenv("BIGMEM_TRAIN_LAUNCHED", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    installed = [path for path in ALLOCATOR_LIBRARIES["tcmalloc"] if Path(path).exists()]
+    if not installed:
+        return  # nothing to preload on this machine; the launcher then raises BadInput (tested elsewhere)
+    command, environment = launch_command(Config(), [])
+    assert environment["LD_PRELOAD"].split(":")[0] == installed[0]
+    assert command[:3] == [sys.executable, "-m", "bigmem_train.cli"]
+
+
+def test_rendered_runtime_keeps_onednn_on():
+    text = render("runtime.env.j2", {"hostname": "h", "physical_cores": 2, "numa_node_count": 1,
+                                     "memory_total_bytes": 2**34, "logical_cpus": 2})
+    assert "TF_ENABLE_ONEDNN_OPTS=1" in text.splitlines()
+
+
+def test_the_benchmark_measures_the_defaults():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import throughput
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    runtime = Config().runtime
+    assert throughput.CHOSEN["allocator"] == runtime.allocator
+    assert throughput.CHOSEN["precision"] == runtime.precision
+    assert throughput.CHOSEN["xla"] == runtime.xla
+    assert throughput.CHOSEN["recompute"] == Config().model.recompute
+    assert throughput.CHOSEN["onednn"] == runtime.onednn
+    assert (throughput.CHOSEN["intra"], throughput.CHOSEN["inter"]) == (None, None)  # train.choose_threads
