@@ -27,6 +27,9 @@ class _Section(BaseModel):
 
 Shape3D = tuple[int, int, int]
 
+# The largest batch a config may ask for (and the planner may choose when sizing to a target).
+MAX_BATCH_SIZE = 4096
+
 
 def _check_shape(value: Shape3D) -> Shape3D:
     if any(edge < 1 for edge in value):
@@ -103,7 +106,7 @@ class ModelConfig(_Section):
 class TrainingConfig(_Section):
     """Optimisation."""
 
-    batch_size: int = Field(16, ge=1, le=4096)
+    batch_size: int = Field(16, ge=1, le=MAX_BATCH_SIZE)
     epochs: int = Field(30, ge=1, le=100000)
     # Steps per epoch; null = one pass over the training cases.
     steps_per_epoch: int | None = Field(None, ge=1)

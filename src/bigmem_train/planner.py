@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from .config import Config
+from .config import MAX_BATCH_SIZE, Config
 from .errors import BadInput
 from .host import HostFacts
 from .sizes import GIB, format_bytes, gib, parse_size
@@ -410,7 +410,8 @@ def _peak(config: Config, table, calibration, batch: int, shape) -> int:
     return sum(breakdown_for(config, table, calibration, batch, tuple(shape)).values())
 
 
-def largest_batch(config: Config, table, calibration, shape, limit_bytes: int, ceiling: int = 4096) -> int:
+def largest_batch(config: Config, table, calibration, shape, limit_bytes: int,
+                  ceiling: int = MAX_BATCH_SIZE) -> int:
     """Largest batch whose peak at ``shape`` is at most ``limit_bytes``; 0 when not even 1 fits."""
     if _peak(config, table, calibration, 1, shape) > limit_bytes:
         return 0
@@ -487,7 +488,8 @@ def size_to_target(config: Config, target_bytes: int, table, calibration) -> tup
         step = 2 ** config.model.depth
         return 1, found or (step, step, step)
     candidates = [(best_batch, shape)]
-    more = largest_shape(config, table, calibration, best_batch + 1, target_bytes, ceiling=shape)
+    more = (largest_shape(config, table, calibration, best_batch + 1, target_bytes, ceiling=shape)
+            if best_batch < MAX_BATCH_SIZE else None)
     if more:
         candidates.append((best_batch + 1, more))
     return max(candidates, key=lambda c: (_peak(config, table, calibration, c[0], c[1]), c[1] == shape))
