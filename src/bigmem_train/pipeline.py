@@ -102,6 +102,9 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
           + (f", target {format_bytes(plan.target_bytes)}" if plan.target_bytes else "")
           + f", NUMA {plan.placement.policy}", flush=True)
 
+    # oneDNN is switched by the environment and read once, when TensorFlow loads (the planner builds
+    # its model in a child process, so TensorFlow is not loaded here yet).
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
     relaunch = launch_command(config, plan.placement.numactl_args() if len(host.numa_nodes) > 1 else [])
     if relaunch is not None:
         command, environment = relaunch
