@@ -31,13 +31,20 @@ ALLOCATOR_LIBRARIES = {
 
 
 def allocator_library(allocator: str) -> str | None:
-    """Path of the allocator's shared library, or None for glibc; BadInput if it is not installed."""
+    """Path of the allocator's shared library, or None for glibc or when it is not installed.
+
+    A missing library is a warning, not an error: the job still runs (slower, with a higher peak) on
+    glibc malloc, and metrics.json records what was really preloaded.
+    """
     if allocator == "glibc":
         return None
     for candidate in ALLOCATOR_LIBRARIES[allocator]:
         if Path(candidate).exists():
             return candidate
-    raise BadInput(f"runtime.allocator {allocator}: library not found (install libjemalloc2 / libtcmalloc-minimal4)")
+    package = {"jemalloc": "libjemalloc2", "tcmalloc": "libtcmalloc-minimal4"}[allocator]
+    print(f"bigmem-train: warning: runtime.allocator {allocator} is not installed (apt-get install {package}); "
+          "using glibc malloc", file=sys.stderr)
+    return None
 
 
 def launch_command(config: Config, numactl_args: list[str]) -> tuple[list[str], dict[str, str]] | None:
