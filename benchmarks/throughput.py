@@ -632,17 +632,17 @@ def _plot(report: dict, path: Path) -> None:
         if name in main_section and main_section[name]["median_step_seconds"]:
             s = main_section[name]
             names.append(label)
-            steps.append(s["median_step_seconds"]["median"])
-            lows.append(s["median_step_seconds"]["min"])
-            highs.append(s["median_step_seconds"]["max"])
+            steps.append(s["cpu_seconds_per_step"]["median"])
+            lows.append(s["cpu_seconds_per_step"]["min"])
+            highs.append(s["cpu_seconds_per_step"]["max"])
             peaks.append(s["peak_rss_bytes"]["median"] / 2**20)
     for name, entry in report.get("levers", {}).items():
         s = entry["summary"]
         if s["median_step_seconds"] and name != "bigmem-train (chosen)":
             names.append("lever: " + name)
-            steps.append(s["median_step_seconds"]["median"])
-            lows.append(s["median_step_seconds"]["min"])
-            highs.append(s["median_step_seconds"]["max"])
+            steps.append(s["cpu_seconds_per_step"]["median"])
+            lows.append(s["cpu_seconds_per_step"]["min"])
+            highs.append(s["cpu_seconds_per_step"]["max"])
             peaks.append(s["peak_rss_bytes"]["median"] / 2**20)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.8), sharey=True)
     positions = range(len(names))
@@ -650,7 +650,7 @@ def _plot(report: dict, path: Path) -> None:
     left.barh(positions, steps, xerr=errors, color=["#999"] + ["#3a7"] * (len(names) - 1))
     left.set_yticks(list(positions), names)
     left.invert_yaxis()
-    left.set_xlabel("median training step, s (bars: min-max over repetitions)")
+    left.set_xlabel("process CPU seconds per training step (bars: min-max over repetitions)\nwall-clock time varied 2-5x with the load of other jobs; see the table")
     right.barh(positions, peaks, color="#58c")
     right.set_xlabel("peak resident memory, MiB")
     workload = report["workload"]
