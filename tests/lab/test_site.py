@@ -48,11 +48,13 @@ class PlaybookRun:
 def run_site(inventory: Path, env: dict[str, str], *extra: str, log: Path) -> PlaybookRun:
     command = [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "site.yml", *extra]
     started = time.monotonic()
-    result = subprocess.run(command, cwd=ANSIBLE_DIR, env=env, capture_output=True, text=True,
-                            timeout=2400 * TIMEOUT_SCALE)
+    with open(log, "w") as handle:  # streamed, so a slow or interrupted run can be followed
+        handle.write(f"$ {' '.join(command)}\n")
+        handle.flush()
+        result = subprocess.run(command, cwd=ANSIBLE_DIR, env=env, stdout=handle, stderr=subprocess.STDOUT,
+                                text=True, timeout=2400 * TIMEOUT_SCALE)
     seconds = time.monotonic() - started
-    output = result.stdout + result.stderr
-    log.write_text(f"$ {' '.join(command)}\n{output}")
+    output = log.read_text(errors="replace")
     recap = {m["host"]: {key: int(m[key]) for key in ("ok", "changed", "unreachable", "failed")}
              for m in RECAP_LINE.finditer(output)}
     return PlaybookRun(result.returncode, output, seconds, recap)
