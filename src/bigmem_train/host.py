@@ -291,11 +291,15 @@ def read_host_facts(root: Path = Path("/")) -> HostFacts:
     )
 
 
-def onednn_enabled() -> bool:
-    """Whether TensorFlow will use oneDNN: on by default on x86 Linux since TF 2.9, off with TF_ENABLE_ONEDNN_OPTS=0."""
+def onednn_enabled(cpu_flags: list[str] | None = None) -> bool:
+    """Whether TensorFlow will use oneDNN: TF_ENABLE_ONEDNN_OPTS when set; unset, stock TensorFlow turns
+    it on only on x86 Linux CPUs with AVX512_VNNI, AVX512_BF16 or AMX (not on AVX2-only CPUs)."""
     flag = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
     if flag is not None:
         return flag.strip().lower() in {"1", "true", "yes", "on"}
     import platform
 
-    return platform.system() == "Linux" and platform.machine() in {"x86_64", "AMD64"}
+    if platform.system() != "Linux" or platform.machine() not in {"x86_64", "AMD64"}:
+        return False
+    flags = set(read_cpu_flags() if cpu_flags is None else cpu_flags)
+    return bool(flags & {"avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"})

@@ -104,3 +104,15 @@ def test_to_dict_reports_derived_values():
 def test_this_machine_reads():
     host = read_host_facts()
     assert host.memory_total_bytes > 0 and host.logical_cpus >= 1
+
+
+def test_onednn_default_follows_the_cpu_unless_the_switch_is_set(monkeypatch):
+    from bigmem_train.host import onednn_enabled
+
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    assert onednn_enabled(["avx2", "fma"]) is False
+    assert onednn_enabled(["avx2", "avx512f", "avx512_vnni"]) is True
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "1")
+    assert onednn_enabled(["avx2"]) is True
+    monkeypatch.setenv("TF_ENABLE_ONEDNN_OPTS", "0")
+    assert onednn_enabled(["amx_tile"]) is False

@@ -47,7 +47,7 @@ def test_rendered_train_config_is_a_valid_config_sized_to_the_host(tmp_path):
     config = load_config(out)
     assert config.data.source == "decathlon" and str(config.data.path) == "/data"
     assert config.runtime.intra_op_threads == 48  # one per physical core
-    assert config.runtime.inter_op_threads == 2
+    assert config.runtime.inter_op_threads == 1
     assert config.runtime.numa_policy == "auto"  # two nodes: the planner binds or interleaves
     assert config.runtime.allocator == "jemalloc"
     assert config.footprint.target == "80%"
