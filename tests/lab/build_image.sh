@@ -24,11 +24,13 @@ hostname=bigmem-lab-01
 # Packages of the lab server. docker.io is preinstalled so the docker_engine role finds the engine
 # package present instead of downloading and unpacking it under software emulation; the role still
 # writes daemon.json and enables and starts the service. python3-apt lets Ansible's apt module run without installing it.
+# python3-requests (the docker_engine role's Python dependency) likewise: the image's apt lists are
+# cleaned, so the role could not fetch it inside the VM (seen in a lab converge).
 packages=(
   systemd-sysv udev dbus kmod initramfs-tools linux-image-amd64 grub-pc
   openssh-server sudo python3 python3-apt ca-certificates
   iproute2 iputils-ping procps less numactl
-  docker.io
+  docker.io python3-requests
 )
 
 mkdir -p "$out"
