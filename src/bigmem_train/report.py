@@ -11,12 +11,25 @@ from .monitor import read_memory_csv
 from .sizes import GIB, format_bytes
 
 
-def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (servers and containers have no display)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(plt, figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
+    plt = _pyplot()
     memory = read_memory_csv(run_dir / "memory.csv")
     if not memory:
         return None
@@ -37,19 +50,11 @@ def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
     axis.set_title("Memory over time")
     axis.legend(loc="lower right")
     axis.grid(alpha=0.3)
-    path = run_dir / "memory.png"
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, run_dir / "memory.png")
 
 
 def _plot_training(run_dir: Path) -> Path | None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     from .train import read_history
 
     history = read_history(run_dir / "history.csv")
@@ -68,11 +73,7 @@ def _plot_training(run_dir: Path) -> Path | None:
         axis.set_xlabel("epoch")
         axis.legend()
         axis.grid(alpha=0.3)
-    path = run_dir / "training.png"
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, run_dir / "training.png")
 
 
 def _load(path: Path) -> dict:
