@@ -32,7 +32,4 @@ extras="ops"
 echo "setup: installing bigmem-train[$extras] into .venv"
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[$extras]"
-if [[ $with_tests == 1 && -f ansible/requirements.yml ]]; then
-    .venv/bin/ansible-galaxy collection install -r ansible/requirements.yml >/dev/null 2>&1 || true
-fi
 echo "setup: done ($(.venv/bin/bigmem-train --version))"
