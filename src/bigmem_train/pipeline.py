@@ -6,6 +6,8 @@ data have been checked, so bad input (exit 2) and a job that cannot fit (exit 3)
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
@@ -19,6 +21,9 @@ from .sizes import format_bytes
 
 # Set in the environment of a process this module re-executed, so it is done once only.
 LAUNCHED_ENV = "BIGMEM_TRAIN_LAUNCHED"
+# The plan the launching process made (sized config and plan.json), so the re-executed one does not plan
+# the job again; keyed by a digest of the config it was made for.
+PLAN_ENV = "BIGMEM_TRAIN_PLAN"
 
 ALLOCATOR_LIBRARIES = {
     "jemalloc": ["/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2"],
@@ -47,6 +52,21 @@ def allocator_library(allocator: str) -> str | None:
     return None
 
 
+def runtime_environment(config: Config, environment: dict[str, str] | None = None) -> dict[str, str]:
+    """``environment`` (default: this process's) with the runtime a job of ``config`` trains under:
+    TF_ENABLE_ONEDNN_OPTS from runtime.onednn and the configured allocator in LD_PRELOAD.
+
+    One definition for the run's launcher and for the planner's measuring children (calibration), so
+    the constants are fitted on the kernels and the allocator a real run uses.
+    """
+    environment = dict(os.environ if environment is None else environment)
+    environment["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
+    library = allocator_library(config.runtime.allocator)
+    if library and library not in environment.get("LD_PRELOAD", ""):
+        environment["LD_PRELOAD"] = ":".join(filter(None, [library, environment.get("LD_PRELOAD")]))
+    return environment
+
+
 def launch_command(config: Config, numactl_args: list[str]) -> tuple[list[str], dict[str, str]] | None:
     """The command and environment to re-execute under, or None when this process is already right.
 
@@ -55,12 +75,8 @@ def launch_command(config: Config, numactl_args: list[str]) -> tuple[list[str], 
     """
     if os.environ.get(LAUNCHED_ENV):
         return None
-    environment = dict(os.environ)
-    library = allocator_library(config.runtime.allocator)
-    changed = False
-    if library and library not in environment.get("LD_PRELOAD", ""):
-        environment["LD_PRELOAD"] = ":".join(filter(None, [library, environment.get("LD_PRELOAD")]))
-        changed = True
+    environment = runtime_environment(config)
+    changed = environment.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD")
     prefix: list[str] = []
     if numactl_args and shutil.which(numactl_args[0]):
         prefix = numactl_args
@@ -69,6 +85,30 @@ def launch_command(config: Config, numactl_args: list[str]) -> tuple[list[str], 
         return None
     environment[LAUNCHED_ENV] = "1"
     return [*prefix, sys.executable, "-m", "bigmem_train.cli", *sys.argv[1:]], environment
+
+
+def _config_digest(config: Config) -> str:
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()
+
+
+def handed_down_plan(config: Config, sized: Config, plan_dict: dict) -> str:
+    """The value of PLAN_ENV for a re-executed process: the plan made for ``config``."""
+    return json.dumps({"for": _config_digest(config), "config": sized.model_dump(mode="json"), "plan": plan_dict})
+
+
+def inherited_plan(config: Config) -> tuple[Config, dict] | None:
+    """(sized config, plan.json) handed down by the process that re-executed this one for ``config``;
+    None when this process was not re-executed or the plan was made for another config."""
+    text = os.environ.pop(PLAN_ENV, None)
+    if not text or not os.environ.get(LAUNCHED_ENV):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if data.get("for") != _config_digest(config):
+        return None
+    return Config.model_validate(data["config"]), data["plan"]
 
 
 def _synthetic_dataset(config: Config) -> Path:
@@ -101,24 +141,31 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
             raise BadInput(f"dataset folder {config.data.path} has no dataset.json (expected the Decathlon layout)")
     ensure_writable(Path(config.output.results_dir))
 
-    plan = plan_job(config, host)
-    check_fits(plan, host)
-    config = plan.config
-    plan_dict = plan.to_dict()
-    print(f"bigmem-train: planned peak {format_bytes(plan.peak_bytes)}"
-          + (f", target {format_bytes(plan.target_bytes)}" if plan.target_bytes else "")
-          + f", NUMA {plan.placement.policy}", flush=True)
+    # Planned once: a process re-executed below under numactl/LD_PRELOAD takes the plan it is handed.
+    inherited = inherited_plan(config)
+    if inherited is not None:
+        config, plan_dict = inherited
+    else:
+        requested = config
+        plan = plan_job(config, host)
+        check_fits(plan, host)
+        config = plan.config
+        plan_dict = plan.to_dict()
+        print(f"bigmem-train: planned peak {format_bytes(plan.peak_bytes)}"
+              + (f", target {format_bytes(plan.target_bytes)}" if plan.target_bytes else "")
+              + f", NUMA {plan.placement.policy}", flush=True)
 
-    # oneDNN is switched by the environment and read once, when TensorFlow loads (the planner builds
-    # its model in a child process, so TensorFlow is not loaded here yet).
-    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
-    relaunch = launch_command(config, plan.placement.numactl_args() if len(host.numa_nodes) > 1 else [])
-    if relaunch is not None:
-        command, environment = relaunch
-        numactl = " ".join(command[: command.index(sys.executable)]) or "no numactl"
-        print(f"bigmem-train: relaunching with LD_PRELOAD={environment.get('LD_PRELOAD', '') or '-'}, {numactl}",
-              flush=True)
-        os.execvpe(command[0], command, environment)
+        # oneDNN is switched by the environment and read once, when TensorFlow loads (the planner builds
+        # its model in a child process, so TensorFlow is not loaded here yet).
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
+        relaunch = launch_command(config, plan.placement.numactl_args() if len(host.numa_nodes) > 1 else [])
+        if relaunch is not None:
+            command, environment = relaunch
+            environment[PLAN_ENV] = handed_down_plan(requested, config, plan_dict)
+            numactl = " ".join(command[: command.index(sys.executable)]) or "no numactl"
+            print(f"bigmem-train: relaunching with LD_PRELOAD={environment.get('LD_PRELOAD', '') or '-'}, "
+                  f"{numactl}", flush=True)
+            os.execvpe(command[0], command, environment)
 
     from .data import check_dataset, split_cases
 
