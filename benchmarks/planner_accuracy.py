@@ -1,15 +1,16 @@
 """Planner accuracy: predicted vs measured peak resident memory over a sweep of small training jobs.
 
-Each job runs in its own process (``bigmem_train.calibration.measure_peak``): the configured U-Net built
-by ``model.compile_model``, ``model.fit`` for a few steps on random data of the right shape, with the
-threads a real run uses; the child reports its peak RSS (VmHWM). The planner predicts the same job (its
-input pipeline replaced by the child's one in-memory batch).
+Each job runs in its own process (``bigmem_train.calibration.measure_peak``) under the runtime a real
+``bigmem-train run`` has (oneDNN switch, the configured allocator preloaded, the run's threads): the
+configured U-Net built by ``model.compile_model``, ``model.fit`` for a few steps on random data of the
+right shape; the child reports its peak RSS (VmHWM). The planner predicts the same job (its input
+pipeline replaced by the child's one in-memory batch).
 
-Two columns of prediction: with the stored calibration (``plan --calibrate``), and leave-one-out (the two
-constants fitted on the other jobs of the sweep, so no job predicts itself). Targets (issue 3): MAPE at
-most 3 %, no job off by more than 6 %.
+Two columns of prediction: with the stored calibration (``plan --calibrate``), and leave-one-out (the
+three constants fitted on the other jobs of the sweep, so no job predicts itself). Targets (issue 3):
+MAPE at most 3 %, no job off by more than 6 %.
 
-    python benchmarks/planner_accuracy.py                 # measure the sweep (tens of minutes on 2 cores)
+    python benchmarks/planner_accuracy.py                 # measure the sweep (about 15 min on 2 cores)
     python benchmarks/planner_accuracy.py --predict-only  # re-predict stored measurements
     python benchmarks/planner_accuracy.py --fit-calibration src/bigmem_train/calibration.json
 """
@@ -17,12 +18,14 @@ most 3 %, no job off by more than 6 %.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
 from pathlib import Path
 
-from bigmem_train.calibration import fit_constants, job_config, measure_peak, predicted_for_measurement
+from bigmem_train.calibration import (calibration_data, fit_constants, job_config, measure_peak,
+                                      predicted_for_measurement, runtime_record)
 from bigmem_train.config import load_config
 from bigmem_train.planner import Calibration, load_calibration
 
@@ -41,7 +44,9 @@ SWEEP = [
     {"shape": (64, 64, 64), "batch": 1, "filters": 16, "depth": 5, "channels": 4},
 ]
 
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "results" / "planner_accuracy.jsonl"
+# The measurements behind docs/planner.md (oneDNN on, tcmalloc); planner_accuracy.onednn-off-glibc.jsonl
+# holds the earlier sweep under TensorFlow's own kernels and glibc malloc.
+DEFAULT_RESULTS = Path(__file__).resolve().parent / "planner_accuracy.measured.jsonl"
 
 
 def describe(job: dict) -> str:
@@ -86,10 +91,8 @@ def report(results: Path, calibration: Calibration) -> dict:
         stored = sum(predicted_for_measurement(config, calibration).values())
         others = samples[:index] + samples[index + 1:]
         held_out = stored
-        if len(others) >= 2:  # two constants need two other jobs
-            baseline, factor = fit_constants(others)
-            held_out = sum(predicted_for_measurement(
-                config, Calibration(runtime_baseline_bytes=baseline, workspace_factor=factor)).values())
+        if len(others) >= 3:  # three constants need three other jobs
+            held_out = sum(predicted_for_measurement(config, fit_constants(others)).values())
         rows.append({"job": describe(records[index]["job"]), "measured": measured, "stored": stored,
                      "held_out": held_out})
 
@@ -97,7 +100,7 @@ def report(results: Path, calibration: Calibration) -> dict:
         return [(row[key] - row["measured"]) / row["measured"] for row in rows]
 
     print(f"constants: {calibration.source}: baseline {calibration.runtime_baseline_bytes / 2**20:.0f} MiB, "
-          f"workspace factor {calibration.workspace_factor}")
+          f"activation factor {calibration.activation_factor}, workspace factor {calibration.workspace_factor}")
     print("| job | measured GiB | predicted GiB (stored constants) | error | predicted GiB (leave-one-out) | error |")
     print("|---|---:|---:|---:|---:|---:|")
     for row, stored_error, held_error in zip(rows, errors("stored"), errors("held_out")):
@@ -117,7 +120,7 @@ def report(results: Path, calibration: Calibration) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="measurements (JSON lines)")
-    parser.add_argument("--steps", type=int, default=2, help="training steps per job, the first included")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per job, the first included")
     parser.add_argument("--only", type=int, action="append", help="measure only this sweep index (repeatable)")
     parser.add_argument("--predict-only", action="store_true", help="only re-predict stored measurements")
     parser.add_argument("--fit-calibration", type=Path, metavar="FILE",
@@ -131,14 +134,18 @@ def main() -> int:
         records = read_results(args.results)
         samples = [(job_config(base, **{**r["job"], "shape": tuple(r["job"]["shape"])}), r["peak_rss_bytes"])
                    for r in records]
-        baseline, factor = fit_constants(samples)
-        args.fit_calibration.write_text(json.dumps({
-            "runtime_baseline_bytes": baseline, "workspace_factor": factor,
-            "measured": {"by": "benchmarks/planner_accuracy.py --fit-calibration", "jobs": len(samples),
-                         "tensorflow": records[0].get("tensorflow"), "threads": records[0].get("threads"),
-                         "host_cpus": os.cpu_count()},
-        }, indent=2) + "\n")
-        print(f"wrote {args.fit_calibration}: baseline {baseline} B, workspace factor {factor}")
+        fitted = fit_constants(samples)
+        args.fit_calibration.write_text(json.dumps(calibration_data(fitted, {
+            "by": "benchmarks/planner_accuracy.py --fit-calibration",
+            "how": f"the accuracy sweep's {len(samples)} jobs, each in its own process: model.fit, "
+                   f"{len(records[0].get('step_peak_bytes', [])) or 'a few'} steps on random in-memory data, "
+                   "the run's runtime (oneDNN switch, allocator preloaded, threads), peak RSS (VmHWM)",
+            "date": records[-1].get("date") or datetime.date.today().isoformat(),
+            **runtime_record(base, records[0]),
+            "jobs": len(samples),
+        }), indent=2) + "\n")
+        print(f"wrote {args.fit_calibration}: baseline {fitted.runtime_baseline_bytes} B, activation factor "
+              f"{fitted.activation_factor}, workspace factor {fitted.workspace_factor}")
     report(args.results, load_calibration())
     return 0
 

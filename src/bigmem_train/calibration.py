@@ -1,13 +1,17 @@
-"""Measure real peak memory of a few training steps, and fit the planner's two machine constants.
+"""Measure real peak memory of a few training steps, and fit the planner's three machine constants.
 
-``measure_peak(config)`` runs the job in a child process (``python -m bigmem_train.calibration``):
-TensorFlow is imported there, the model is built by ``model.compile_model``, ``model.fit`` runs a few
-steps on random data of the right shape held in memory (one batch, repeated), and the child reports its
-peak resident memory (``VmHWM``). One config per process, so nothing of one run inflates the next.
+``measure_peak(config)`` runs the job in a child process (``python -m bigmem_train.calibration``) under
+the runtime a real run has (``pipeline.runtime_environment``: the oneDNN switch, the configured
+allocator preloaded; the run's intra/inter-op threads): TensorFlow is imported there, the model is
+built by ``model.compile_model``, ``model.fit`` runs a few steps on random data of the right shape held
+in memory (one batch, repeated), and the child reports its peak resident memory (``VmHWM``), the
+allocator it really ran on and, under tcmalloc, the heap counters. One config per process, so nothing
+of one run inflates the next.
 
-``calibrate()`` measures small jobs and fits, by least squares, measured = runtime baseline +
-workspace factor * (largest layer input + output) + everything else the planner derives from the model;
-it writes the constants to ``~/.cache/bigmem-train/calibration.json`` (or ``$BIGMEM_CALIBRATION``).
+``calibrate()`` measures small jobs and fits, by least squares, measured - (weights, gradients, Adam
+slots, input) = runtime baseline + activation factor x (tensors alive at the backward peak) + workspace
+factor x (one sample's largest patch matrix); it writes the constants and the runtime they were
+measured under to ``~/.cache/bigmem-train/calibration.json`` (or ``$BIGMEM_CALIBRATION``).
 """
 
 from __future__ import annotations
@@ -26,12 +30,14 @@ from .errors import BadInput
 from .planner import Calibration, breakdown_for, calibration_path_for_user, layer_table
 
 # Small jobs the constants are fitted on: a few seconds a step on two cores, spanning 1..4 channels,
-# depths 3..4 and a range of sizes so the intercept (baseline) and the slope (workspace) separate.
+# depths 3..5, batches 1..4 and a range of sizes, so the intercept (baseline), the batch-wide slope
+# (activation factor) and the per-sample one (workspace factor) separate.
 CALIBRATION_JOBS: list[dict[str, Any]] = [
     {"shape": (48, 48, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
     {"shape": (32, 32, 32), "batch": 2, "filters": 8, "depth": 5, "channels": 4},
     {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
     {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1},
+    {"shape": (48, 48, 32), "batch": 4, "filters": 8, "depth": 3, "channels": 1},
 ]
 
 
@@ -64,7 +70,11 @@ def predicted_for_measurement(config: Config, calibration: Calibration) -> dict[
 
 def measure_peak(config: Config, steps: int = 3, timeout: float = 1800) -> dict[str, Any]:
     """Run ``steps`` training steps of ``config`` in a child process; return its measured peak RSS etc."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    from .pipeline import runtime_environment
+
+    # The runtime a real run has (bigmem-train run re-executes itself the same way): oneDNN switch and
+    # the allocator preloaded; the child sets the run's threads itself.
+    env = dict(runtime_environment(config), TF_CPP_MIN_LOG_LEVEL="3")
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "bigmem_train.calibration", "--measure", str(steps)],
@@ -83,6 +93,38 @@ def _status_bytes(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
+
+
+def preloaded_allocator() -> str:
+    """The malloc this process really runs on: tcmalloc or jemalloc when mapped, else glibc."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "glibc"
+
+
+def tcmalloc_stats() -> dict[str, int]:
+    """gperftools' heap counters (bytes) when tcmalloc is preloaded, else {}: what the program holds
+    (allocated), what tcmalloc keeps mapped for reuse (free in the page heap) and what it returned."""
+    import ctypes
+
+    try:
+        library = ctypes.CDLL(None)
+        get = library.MallocExtension_GetNumericProperty
+    except (OSError, AttributeError):
+        return {}
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
+    stats = {}
+    for name in ("generic.current_allocated_bytes", "generic.heap_size", "tcmalloc.pageheap_free_bytes",
+                 "tcmalloc.pageheap_unmapped_bytes"):
+        value = ctypes.c_size_t(0)
+        if get(name.encode(), ctypes.byref(value)):
+            stats[name.split(".", 1)[1]] = int(value.value)
+    return stats
 
 
 def _reset_peak() -> None:
@@ -145,26 +187,77 @@ def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
         "step_seconds": [round(value, 2) for value in seconds],
         "tensorflow": tf.__version__,
         "threads": [intra, inter],
+        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
+        "allocator": preloaded_allocator(),
+        "tcmalloc_end": tcmalloc_stats(),
     }
 
 
-def fit_constants(samples: list[tuple[Config, int]]) -> tuple[int, float]:
-    """Least squares of measured - (everything but baseline and workspace) = baseline + factor * reference."""
-    zero = Calibration(runtime_baseline_bytes=0, workspace_factor=0.0)
-    unit = Calibration(runtime_baseline_bytes=0, workspace_factor=1.0)
-    xs, ys = [], []
+def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
+    """Least squares (normal equations) for a handful of unknowns, without numpy."""
+    size = len(rows[0])
+    matrix = [[sum(r[i] * r[j] for r in rows) for j in range(size)] + [sum(r[i] * t for r, t in zip(rows, targets))]
+              for i in range(size)]
+    for column in range(size):
+        pivot = max(range(column, size), key=lambda r: abs(matrix[r][column]))
+        matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
+        if matrix[column][column] == 0:
+            raise BadInput("calibration jobs do not separate the constants; measure jobs of other sizes")
+        for other in range(size):
+            if other != column:
+                ratio = matrix[other][column] / matrix[column][column]
+                matrix[other] = [a - ratio * b for a, b in zip(matrix[other], matrix[column])]
+    return [matrix[i][size] / matrix[i][i] for i in range(size)]
+
+
+def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
+    """Least squares of measured - (weights, gradients, slots, input) = baseline + activation factor x
+    (tensors alive at the backward peak) + workspace factor x (one sample's largest patch matrix).
+
+    A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
+    physical meaning; it happens when the jobs cannot separate the terms).
+    """
+    def features(config: Config, activation: float, workspace: float) -> int:
+        calibration = Calibration(runtime_baseline_bytes=0, activation_factor=activation, workspace_factor=workspace)
+        return sum(predicted_for_measurement(config, calibration).values())
+
+    table, targets = [], []
     for config, measured in samples:
-        rest = sum(predicted_for_measurement(config, zero).values())
-        reference = sum(predicted_for_measurement(config, unit).values()) - rest
-        xs.append(reference)
-        ys.append(measured - rest)
-    count = len(xs)
-    mean_x, mean_y = sum(xs) / count, sum(ys) / count
-    spread = sum((x - mean_x) ** 2 for x in xs)
-    factor = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / spread if spread else 0.0
-    factor = max(0.0, factor)
-    baseline = mean_y - factor * mean_x
-    return int(baseline), round(factor, 4)
+        rest = features(config, 0.0, 0.0)
+        table.append([1.0, features(config, 1.0, 0.0) - rest, features(config, 0.0, 1.0) - rest])
+        targets.append(measured - rest)
+    free = [0, 1, 2]
+    while True:
+        solution = _solve([[row[i] for i in free] for row in table], targets)
+        values = dict(zip(free, solution))
+        negative = [i for i in free[1:] if values[i] < 0]
+        if not negative:
+            break
+        free.remove(min(negative, key=lambda i: values[i]))
+    return Calibration(runtime_baseline_bytes=int(values[0]), activation_factor=round(values.get(1, 0.0), 4),
+                       workspace_factor=round(values.get(2, 0.0), 4))
+
+
+def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
+    """How the constants were measured: the runtime the measuring children really had."""
+    return {
+        "tensorflow": measured.get("tensorflow"),
+        "threads": measured.get("threads"),
+        "host_cpus": os.cpu_count(),
+        "onednn": str(measured.get("onednn")) in {"1", "true", "True"},
+        "allocator": measured.get("allocator"),
+        "requested": {"onednn": config.runtime.onednn, "allocator": config.runtime.allocator},
+    }
+
+
+def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict[str, Any]:
+    """The calibration file's content."""
+    return {
+        "runtime_baseline_bytes": calibration.runtime_baseline_bytes,
+        "activation_factor": calibration.activation_factor,
+        "workspace_factor": calibration.workspace_factor,
+        "measured": measured,
+    }
 
 
 def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = None,
@@ -182,21 +275,17 @@ def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = No
         if log:
             log(f"  measured {job}: peak {measured['peak_rss_bytes'] / 2**30:.3f} GiB "
                 f"({measured['wall_seconds']} s)")
-    baseline, factor = fit_constants(samples)
+    fitted = fit_constants(samples)
     path = path or (Path(os.environ["BIGMEM_CALIBRATION"]) if os.environ.get("BIGMEM_CALIBRATION")
                     else calibration_path_for_user())
-    data = {
-        "runtime_baseline_bytes": baseline,
-        "workspace_factor": factor,
-        "measured": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "host": os.uname().nodename,
-            "cpus": os.cpu_count(),
-            "tensorflow": measured.get("tensorflow"),
-            "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
-            "jobs": records,
-        },
-    }
+    data = calibration_data(fitted, {
+        "by": "bigmem-train plan --calibrate",
+        "how": f"{len(records)} jobs, each in its own process: model.fit, 3 steps on random in-memory data, "
+               "the run's runtime (oneDNN switch, allocator preloaded, threads), peak RSS (VmHWM)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **runtime_record(base, measured),
+        "jobs": records,
+    })
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path

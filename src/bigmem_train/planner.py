@@ -165,16 +165,40 @@ def layer_table(config: Config) -> list[dict[str, Any]]:
 
 @dataclass
 class Calibration:
-    """The machine constants of the model, measured by ``bigmem-train plan --calibrate``."""
+    """The machine constants of the model, measured by ``bigmem-train plan --calibrate``.
+
+    Each is fitted for one runtime (oneDNN on or off, allocator, TensorFlow version; recorded in
+    ``measured``): the kernels decide what a convolution allocates.
+    """
 
     # Resident memory of the training process that does not scale with the job: Python, TensorFlow,
     # oneDNN and its thread pools, the traced graph.
     runtime_baseline_bytes: int = 870 * 1024**2
-    # Transient bytes at the peak (the backward pass's column buffer, gradient buffers) as a multiple of
-    # the largest convolution's patch matrix for one sample (``workspace_reference_bytes``).
-    workspace_factor: float = 1.15
+    # Resident bytes per byte of tensors alive at the backward peak (activations kept for backward and
+    # the activation gradients alive with them, ``backward_live_bytes``): 1 would be a perfect allocator
+    # and no op temporaries.
+    activation_factor: float = 1.0
+    # Per-sample convolution workspace at the peak, as a multiple of the largest convolution's patch
+    # matrix for one sample (``workspace_reference_bytes``): about 1 with TensorFlow's own (Eigen) Conv3D
+    # backward kernels, which build that matrix a sample at a time; far less with oneDNN's.
+    workspace_factor: float = 1.0
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
+
+    def runtime_mismatch(self, config: Config) -> str | None:
+        """Why these constants may not fit ``config``'s runtime (oneDNN switch, allocator), or None."""
+        differences = []
+        onednn = self.measured.get("onednn")
+        if isinstance(onednn, bool) and onednn != config.runtime.onednn:
+            differences.append(f"oneDNN {'on' if onednn else 'off'}")
+        allocator = self.measured.get("allocator")
+        if allocator and allocator != config.runtime.allocator:
+            differences.append(f"allocator {allocator}")
+        if not differences:
+            return None
+        return (f"fitted with {' and '.join(differences)}, this job runs with oneDNN "
+                f"{'on' if config.runtime.onednn else 'off'} and {config.runtime.allocator}; "
+                "rerun `bigmem-train plan --calibrate` with its runtime")
 
 
 PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
@@ -197,6 +221,7 @@ def load_calibration() -> Calibration:
             continue
         return Calibration(
             runtime_baseline_bytes=int(data["runtime_baseline_bytes"]),
+            activation_factor=float(data.get("activation_factor", 1.0)),
             workspace_factor=float(data["workspace_factor"]),
             source=str(path),
             measured=data.get("measured", {}),
@@ -260,9 +285,21 @@ def _block_of(name: str) -> str:
     return name.split("_", 1)[0]
 
 
-def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
-                  recompute: bool) -> tuple[dict[str, int], int]:
-    """Tensors the backward pass needs, by identity -> bytes; and the largest recomputed block (transient).
+CONVOLUTION_KINDS = {"Conv3D", "Conv3DTranspose", "Conv2D", "Dense"}
+
+
+@dataclass
+class KeptTensors:
+    """What the forward pass keeps for backward: tensor key -> bytes, which layers' backward read each
+    tensor, and the block (``_block_of``) that produced it."""
+
+    sizes: dict[str, int] = field(default_factory=dict)
+    readers: dict[str, set[str]] = field(default_factory=dict)
+    owner: dict[str, str] = field(default_factory=dict)
+
+
+def kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int]) -> KeptTensors:
+    """Tensors the backward pass needs, by identity, and who reads them.
 
     Rules (TensorFlow gradient definitions, Keras 3 layers):
     - Conv3D / Conv3DTranspose keep their input (filter gradient), in the layer's compute dtype (a cast
@@ -274,12 +311,12 @@ def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int
       UpSampling keep nothing.
     """
     rows = {row["name"]: row for row in table}
-    kept: dict[str, int] = {}
-    owner: dict[str, str] = {}  # tensor key -> block that produced it
+    kept = KeptTensors()
 
-    def keep(key: str, producer: dict[str, Any], dtype: str, consumer: str) -> None:
-        kept[key] = _elements(producer, batch, shape) * DTYPE_BYTES.get(dtype, 4)
-        owner[key] = _block_of(producer["name"])
+    def keep(key: str, producer: dict[str, Any], dtype: str, reader: str) -> None:
+        kept.sizes[key] = _elements(producer, batch, shape) * DTYPE_BYTES.get(dtype, 4)
+        kept.owner[key] = _block_of(producer["name"])
+        kept.readers.setdefault(key, set()).add(reader)
 
     def keep_input(row: dict[str, Any], dtype: str) -> None:
         for name in row["inputs"]:
@@ -291,7 +328,7 @@ def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int
         kind = row["kind"]
         if kind == "InputLayer":
             keep(row["name"], row, row["dtype"], row["name"])  # the batch the step runs on
-        elif kind in {"Conv3D", "Conv3DTranspose", "Conv2D", "Dense"}:
+        elif kind in CONVOLUTION_KINDS:
             keep_input(row, row["kernel_dtype"])
             if row["activation"] not in (None, "linear"):
                 keep(row["name"], row, row["dtype"], row["name"])
@@ -308,23 +345,83 @@ def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int
         else:  # Unknown layer: assume it keeps input and output.
             keep_input(row, row["dtype"])
             keep(row["name"], row, row["dtype"], row["name"])
-    recompute_transient = 0
-    if recompute:
-        # Gradient recomputation keeps only what crosses a block boundary; one block's internals are
-        # rebuilt at a time during backward.
-        consumers: dict[str, set[str]] = {}
-        for row in table:
-            for name in row["inputs"]:
-                consumers.setdefault(name, set()).add(_block_of(row["name"]))
-        per_block: dict[str, int] = {}
-        for key in list(kept):
-            name = key.split(":")[0]
-            block = owner[key]
-            if block in {"volume", "segmentation"} or consumers.get(name, set()) - {block}:
-                continue
-            per_block[block] = per_block.get(block, 0) + kept.pop(key)
-        recompute_transient = max(per_block.values(), default=0)
-    return kept, recompute_transient
+    return kept
+
+
+def _recomputed_internals(table: list[dict[str, Any]], kept: KeptTensors) -> dict[str, dict[str, int]]:
+    """Under gradient recomputation: the kept tensors that never leave their block, by block, removed
+    from ``kept`` (only tensors that cross a block boundary are kept; a block's internals are rebuilt
+    one block at a time during backward)."""
+    consumers: dict[str, set[str]] = {}
+    for row in table:
+        for name in row["inputs"]:
+            consumers.setdefault(name, set()).add(_block_of(row["name"]))
+    internals: dict[str, dict[str, int]] = {}
+    for key in list(kept.sizes):
+        name = key.split(":")[0]
+        block = kept.owner[key]
+        if block in {"volume", "segmentation"} or consumers.get(name, set()) - {block}:
+            continue
+        internals.setdefault(block, {})[key] = kept.sizes.pop(key)
+    return internals
+
+
+def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
+                  recompute: bool) -> tuple[dict[str, int], int]:
+    """Tensors kept for backward (key -> bytes) and, under recomputation, the largest rebuilt block."""
+    kept = kept_tensors(table, batch, shape)
+    if not recompute:
+        return kept.sizes, 0
+    internals = _recomputed_internals(table, kept)
+    return kept.sizes, max((sum(block.values()) for block in internals.values()), default=0)
+
+
+def backward_live_bytes(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
+                        recompute: bool) -> tuple[int, int]:
+    """(bytes kept for backward incl. the loss's, largest bytes of activations and activation gradients
+    alive at once during backward), by walking the backward pass layer by layer.
+
+    Walking the layers in reverse: a layer's backward reads the gradient of its output and writes one
+    for each input (a tensor read by several layers sums its gradients, one extra buffer while adding);
+    the gradient of a layer's output is freed after its backward, a kept tensor after the last backward
+    that reads it. Under recomputation a block's internals are rebuilt while its layers run backward.
+    """
+    rows = {row["name"]: row for row in table}
+    kept = kept_tensors(table, batch, shape)
+    output = table[-1]
+    kept.sizes["loss"] = LOSS_KEPT_TENSORS * _elements(output, batch, shape) * 4
+    kept.readers["loss"] = {output["name"]}
+    kept.owner["loss"] = _block_of(output["name"])
+    internals = _recomputed_internals(table, kept) if recompute else {}
+    kept_total = sum(kept.sizes.values())
+
+    def gradient_bytes(row: dict[str, Any]) -> int:
+        return _elements(row, batch, shape) * DTYPE_BYTES.get(row["dtype"], 4)
+
+    pending = {key: set(readers) for key, readers in kept.readers.items() if key in kept.sizes}
+    alive = dict(kept.sizes)
+    gradients = {output["name"]: gradient_bytes(output)}
+    peak = kept_total + gradients[output["name"]]
+    for row in reversed(table):
+        if row["kind"] == "InputLayer":
+            continue
+        adding = 0
+        for name in row["inputs"]:
+            producer = rows[name]
+            if producer["kind"] == "InputLayer":
+                continue  # no gradient for the data
+            if name in gradients:
+                adding += gradient_bytes(producer)
+            else:
+                gradients[name] = gradient_bytes(producer)
+        rebuilt = sum(internals.get(row.get("block", ""), {}).values()) if row.get("recomputed") else 0
+        peak = max(peak, sum(alive.values()) + sum(gradients.values()) + adding + rebuilt)
+        gradients.pop(row["name"], None)
+        for key in list(pending):
+            pending[key].discard(row["name"])
+            if not pending[key]:
+                del pending[key], alive[key]
+    return kept_total, peak
 
 
 def _input_pipeline_bytes(config: Config, batch: int, shape: tuple[int, int, int]) -> int:
@@ -378,12 +475,13 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     weights = (trainable + non_trainable) * 4 + (trainable * 2 if mixed else 0)
     gradients = trainable * 4 + (trainable * 2 if mixed else 0)
     optimizer_slots = trainable * 4 * ADAM_SLOTS
-    kept, recompute_transient = _kept_tensors(table, batch, shape, config.model.recompute)
-    output = table[-1]
-    loss = LOSS_KEPT_TENSORS * _elements(output, batch, shape) * 4
-    activations = sum(kept.values()) + loss
-    largest = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
-    workspace = int(calibration.workspace_factor * largest) + recompute_transient
+    kept, live = backward_live_bytes(table, batch, shape, config.model.recompute)
+    factor = calibration.activation_factor
+    activations = int(factor * kept)
+    # The transient part of the peak: activation gradients (and a rebuilt block) alive with the kept
+    # tensors at the backward peak, and the convolution workspace of one sample.
+    column_buffers = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
+    workspace = int(factor * live) - activations + int(calibration.workspace_factor * column_buffers)
     return {
         "weights": weights,
         "gradients": gradients,

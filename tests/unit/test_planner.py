@@ -238,18 +238,79 @@ def test_breakdown_for_is_pure_arithmetic():
     assert first == again
 
 
+# Jobs of the recorded tables' nets with batches 1..4: the per-sample and the batch-wide slopes separate.
+FIT_JOBS = [
+    {"shape": (48, 48, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
+    {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1},
+    {"shape": (48, 48, 32), "batch": 4, "filters": 8, "depth": 3, "channels": 1},
+]
+
+
 def test_calibration_fit_recovers_known_constants(tables):
     from bigmem_train.calibration import fit_constants, job_config, predicted_for_measurement
 
-    truth = Calibration(runtime_baseline_bytes=812 * 1024**2, workspace_factor=1.3)
+    truth = Calibration(runtime_baseline_bytes=812 * 1024**2, activation_factor=1.23, workspace_factor=0.09)
     base = load_config()
     samples = []
-    for shape, batch, filters, depth in [((64, 64, 32), 1, 8, 3), ((64, 64, 48), 2, 16, 4), ((96, 64, 64), 3, 16, 4)]:
-        config = job_config(base, shape, batch, filters, depth, channels=1)
+    for job in FIT_JOBS:
+        config = job_config(base, **job)
         samples.append((config, sum(predicted_for_measurement(config, truth).values())))
-    baseline, factor = fit_constants(samples)
-    assert abs(baseline - truth.runtime_baseline_bytes) < 1024**2
-    assert factor == pytest.approx(1.3, abs=1e-3)
+    fitted = fit_constants(samples)
+    assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
+    assert fitted.activation_factor == pytest.approx(1.23, abs=1e-3)
+    assert fitted.workspace_factor == pytest.approx(0.09, abs=1e-3)
+
+
+def test_a_negative_slope_is_pinned_to_zero(tables):
+    from bigmem_train.calibration import fit_constants, job_config, predicted_for_measurement
+
+    truth = Calibration(runtime_baseline_bytes=700 * 1024**2, activation_factor=1.2, workspace_factor=0.0)
+    base = load_config()
+    samples = []
+    for job in FIT_JOBS:
+        config = job_config(base, **job)
+        # Noise that alone would pull the workspace slope below zero.
+        noise = -30 * 1024**2 if job["batch"] == 1 else 0
+        samples.append((config, sum(predicted_for_measurement(config, truth).values()) + noise))
+    fitted = fit_constants(samples)
+    assert fitted.workspace_factor >= 0.0
+    assert fitted.activation_factor > 1.0
+
+
+def test_backward_walk_keeps_the_kept_tensors_and_adds_live_gradients():
+    table = recorded_table("unet_depth3_filters8_float32")
+    kept, live = planner.backward_live_bytes(table, 1, (16, 16, 16), recompute=False)
+    kept_rules, _ = planner._kept_tensors(table, 1, (16, 16, 16), recompute=False)
+    loss = planner.LOSS_KEPT_TENSORS * 16**3 * 4
+    assert kept == sum(kept_rules.values()) + loss
+    # At the start of backward everything kept is alive with the loss gradient: at least that much.
+    assert live >= kept + 16**3 * 4
+    # Activation gradients never outnumber the activations: the peak stays within 2x of what is kept.
+    assert live < 2 * kept
+    # Both scale with the batch (every term is a batch-wide tensor).
+    kept_two, live_two = planner.backward_live_bytes(table, 2, (16, 16, 16), recompute=False)
+    assert (kept_two, live_two) == (2 * kept, 2 * live)
+
+
+def test_backward_walk_rebuilds_one_block_under_recomputation():
+    plain = planner.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
+    blocks = planner.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32_recompute"),
+                                              batch_norm=True)
+    kept_plain, live_plain = planner.backward_live_bytes(plain, 1, (32, 32, 32), recompute=False)
+    kept_blocks, live_blocks = planner.backward_live_bytes(blocks, 1, (32, 32, 32), recompute=True)
+    assert kept_blocks < 0.7 * kept_plain
+    assert live_blocks < live_plain
+    # The rebuilt block comes on top of what crosses the boundaries.
+    _, largest_block = planner._kept_tensors(blocks, 1, (32, 32, 32), recompute=True)
+    assert live_blocks >= kept_blocks + largest_block
+
+
+def test_plan_says_when_the_constants_were_fitted_for_another_runtime():
+    calibration = Calibration(measured={"onednn": True, "allocator": "tcmalloc"})
+    assert calibration.runtime_mismatch(study()) is None
+    message = calibration.runtime_mismatch(study(**{"runtime.onednn": False, "runtime.allocator": "glibc"}))
+    assert "oneDNN on" in message and "allocator tcmalloc" in message and "--calibrate" in message
 
 
 def test_calibration_file_lookup_order(tmp_path, monkeypatch):
