@@ -8,9 +8,10 @@ TensorFlow takes seconds and must not happen before the pipeline re-executes und
 
 Peak = weights + gradients + optimizer slots + activations kept for backward + largest transient
 workspace + input pipeline buffers + runtime baseline. What each op keeps for backward follows
-TensorFlow's gradient definitions (see ``_kept_tensors``); the two machine constants (runtime
-baseline and workspace factor) are measured by ``bigmem-train plan --calibrate``
-(:mod:`bigmem_train.calibration`).
+TensorFlow's gradient definitions (see ``kept_tensors``); ``backward_live_bytes`` walks the backward
+pass to find the most activations and activation gradients alive at once. The three machine constants
+(runtime baseline, activation factor, workspace factor) are measured by ``bigmem-train plan --calibrate``
+(:mod:`bigmem_train.calibration`) under the runtime the job runs with.
 """
 
 from __future__ import annotations
@@ -680,6 +681,8 @@ class JobPlan:
     original_batch_size: int = 0
     original_input_shape: tuple[int, int, int] = (0, 0, 0)
     calibration_source: str = ""
+    # Set when the constants were fitted under another runtime (oneDNN switch, allocator) than this job's.
+    calibration_warning: str | None = None
     # Multi-worker: the plan is per host (one replica and its share of the global batch each).
     workers: int = 1
 
@@ -700,6 +703,7 @@ class JobPlan:
             "breakdown": {key: {"bytes": value, "gib": gib(value)} for key, value in self.breakdown.items()},
             "placement": self.placement.to_dict(),
             "calibration": self.calibration_source,
+            "calibration_warning": self.calibration_warning,
         }
 
 
@@ -745,7 +749,8 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
     else:
         placement = Placement("none", [], [], "no host facts")
     return JobPlan(sized, peak, breakdown, target, placement, config.training.batch_size,
-                   tuple(config.data.input_shape), calibration.source, workers)
+                   tuple(config.data.input_shape), calibration.source, calibration.runtime_mismatch(config),
+                   workers)
 
 
 def format_plan(plan: JobPlan) -> str:
@@ -774,6 +779,8 @@ def format_plan(plan: JobPlan) -> str:
     if plan.placement.numactl_args():
         lines.append(f"  {' '.join(plan.placement.numactl_args())}")
     lines.append(f"constants: {plan.calibration_source}")
+    if plan.calibration_warning:
+        lines.append(f"  warning: {plan.calibration_warning}")
     return "\n".join(lines)
 
 

@@ -25,12 +25,6 @@ data:
 model:
   depth: 3
   base_filters: 8
-runtime:
-  # The kernels and allocator the shipped calibration (src/bigmem_train/calibration.json) was fitted
-  # with. The defaults since (oneDNN on, tcmalloc) peak ~10 % higher on this job until
-  # `bigmem-train plan --calibrate` is rerun with them.
-  onednn: false
-  allocator: glibc
 training:
   batch_size: 1
   epochs: 1
