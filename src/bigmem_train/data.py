@@ -63,6 +63,8 @@ class Datasets:
     train_steps: int
     validation_steps: int
     channels: int
+    # Validation samples repeated to fill the last global batch (multi-worker only; see make_datasets).
+    validation_padding: int = 0
 
 
 def _case_name(path: Path) -> str:
@@ -333,12 +335,20 @@ def bad_input_from(error: BaseException) -> BadInput | None:
     return BadInput(text.split(marker, 1)[1].splitlines()[0].strip())
 
 
-def make_datasets(config: Config, train_cases: list[Case], validation_cases: list[Case]) -> Datasets:
+def make_datasets(config: Config, train_cases: list[Case], validation_cases: list[Case],
+                  workers: int = 1) -> Datasets:
     """Build the training and validation ``tf.data`` pipelines and their steps per epoch.
 
     Training: indices shuffled each epoch (seeded by ``training.seed``), repeated forever, loaded by a
     parallel map (``data.parallel_reads``), batched with the remainder dropped, prefetched. Validation:
     the exact centre of each case, in order, one finite pass, the last batch kept.
+
+    ``workers`` > 1 (MultiWorkerMirroredStrategy; ``training.batch_size`` is the global batch): a
+    partial last validation batch would be split into per-worker batches of which some are empty, and
+    the U-Net cannot run an empty batch (one worker fails, the others abort in the next all-reduce).
+    So the validation pass is filled up to whole global batches by repeating its first cases (at most
+    ``batch_size - 1`` repeats, the same ones every epoch, counted in ``validation_padding``): every
+    worker validates the same number of full batches and no case is left out.
     """
     import tensorflow as tf
 
@@ -382,16 +392,21 @@ def make_datasets(config: Config, train_cases: list[Case], validation_cases: lis
         .map(map_train, num_parallel_calls=parallel, deterministic=True)
         .batch(batch_size, drop_remainder=True)
     )
+    validation_indices = np.arange(len(validation_cases), dtype=np.int64)
+    if workers > 1:
+        whole_batches = math.ceil(len(validation_cases) / batch_size) * batch_size
+        validation_indices = np.resize(validation_indices, whole_batches)  # repeats from the start
+    validation_padding = len(validation_indices) - len(validation_cases)
     validation = (
-        tf.data.Dataset.range(len(validation_cases))
+        tf.data.Dataset.from_tensor_slices(validation_indices)
         .map(map_validation, num_parallel_calls=parallel, deterministic=True)
-        .batch(batch_size)
+        .batch(batch_size, drop_remainder=workers > 1)
     )
     if config.data.prefetch_batches:
         train = train.prefetch(config.data.prefetch_batches)
         validation = validation.prefetch(config.data.prefetch_batches)
 
     train_steps = config.training.steps_per_epoch or max(1, len(train_cases) // batch_size)
-    validation_batches = math.ceil(len(validation_cases) / batch_size)
+    validation_batches = math.ceil(len(validation_indices) / batch_size)
     validation_steps = min(config.training.validation_steps or validation_batches, validation_batches)
-    return Datasets(train, validation, train_steps, validation_steps, channels)
+    return Datasets(train, validation, train_steps, validation_steps, channels, validation_padding)

@@ -206,14 +206,16 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
     keras.utils.set_random_seed(config.training.seed)
     strategy = tf.distribute.get_strategy()
     is_chief = True
+    workers = 1
     if config.training.strategy == "multi_worker":
         from . import distribute
 
         strategy = distribute.make_strategy(config)
         is_chief = distribute.is_chief()
+        workers = distribute.worker_count()
 
     train_cases, validation_cases = cases
-    datasets = make_datasets(config, train_cases, validation_cases)
+    datasets = make_datasets(config, train_cases, validation_cases, workers=workers)
     with strategy.scope():
         model = compile_model(config)
 
@@ -257,6 +259,8 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
         "memory_samples_this_session": sampler.samples,
         "train_cases": len(train_cases),
         "validation_cases": len(validation_cases),
+        "validation_padded_samples": datasets.validation_padding,
+        "workers": workers,
         "allocator_requested": config.runtime.allocator,
         "allocator": next((name for name in ("tcmalloc", "jemalloc") if name in os.environ.get("LD_PRELOAD", "")),
                           "glibc"),

@@ -9,7 +9,7 @@ import pytest
 TINY_JOB = """\
 data:
   source: synthetic
-  synthetic_cases: 8
+  synthetic_cases: {cases}
   synthetic_shape: [24, 24, 16]
   input_shape: [16, 16, 16]
   crop_jitter: 2
@@ -30,8 +30,8 @@ output:
 """
 
 
-def write_job(path: Path, epochs: int = 2, strategy: str = "single") -> Path:
-    path.write_text(TINY_JOB.format(epochs=epochs, strategy=strategy))
+def write_job(path: Path, epochs: int = 2, strategy: str = "single", cases: int = 8) -> Path:
+    path.write_text(TINY_JOB.format(epochs=epochs, strategy=strategy, cases=cases))
     return path
 
 

@@ -1,5 +1,9 @@
 """Scale-out on loopback: two `bigmem-train run` workers with TF_CONFIG rendered from the template
-(ports on 127.0.0.1) train together, end with identical weights, and the chief's verdict passes."""
+(ports on 127.0.0.1) train together, end with identical weights, and the chief's verdict passes.
+
+The validation set does not divide evenly across the workers (3 cases, global batch 2): before the
+validation pass was filled to whole global batches, worker 1 got an empty batch at the first
+validation, failed on it, and the chief aborted in the next all-reduce."""
 
 import json
 import os
@@ -30,7 +34,8 @@ def test_two_workers_train_in_lockstep(tmp_path):
     groups = {"workers": ["w0", "w1"]}
     hostvars = {name: {"ansible_host": "127.0.0.1", "bigmem_train_worker_port": port}
                 for name, port in zip(groups["workers"], ports)}
-    config = write_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker")
+    # 12 cases: 9 training (4 steps an epoch at batch 2), 3 validation (an uneven split).
+    config = write_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
     processes = []
     for index, name in enumerate(groups["workers"]):
         tf_config = render_tf_config(groups, hostvars, name, "workers")
@@ -59,7 +64,10 @@ def test_two_workers_train_in_lockstep(tmp_path):
     assert not (worker / "verdict.json").exists(), "only the chief validates and reports"
     for run in (chief, worker):
         assert json.loads((run / "state.json").read_text())["state"] == "finished"
-        assert json.loads((run / "metrics.json").read_text())["strategy"] == "multi_worker"
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert metrics["strategy"] == "multi_worker" and metrics["workers"] == 2
+        # Every validation case is seen; one is repeated to fill the last global batch.
+        assert (metrics["validation_cases"], metrics["validation_padded_samples"]) == (3, 1)
     # Same losses on both (the logs are averaged across workers) and the same final weights.
     assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
     chief_weights = load_weights(chief / "checkpoints" / "last.keras")
