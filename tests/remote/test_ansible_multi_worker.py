@@ -1,0 +1,184 @@
+"""Ansible's train role runs a multi-worker job for real: two inventory hosts that are both this machine
+(ansible_connection=local, worker ports on 127.0.0.1, their own results folders), one container each in
+the local Docker daemon with the kit's image, started together with host networking and TF_CONFIG from
+templates/tf_config.json.j2. The play passes only when the chief's verdict passes and every worker
+finished; both workers end with identical weights.
+
+A second play gives worker 1 a dataset folder without dataset.json: it ends at once, and the play
+stops the chief (which waits for it) and fails with one message naming both workers, within
+bigmem_train_start_timeout rather than hanging."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bigmem_train.distribute import parse_tf_config, render_tf_config
+
+from ..fixtures.sshd import free_port
+from .test_multi_worker import load_weights
+
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+UID = 10001
+
+# The tiny U-Net of the loopback test, rendered through templates/train.yaml.j2 like any Ansible job:
+# 12 cases, 9 training (4 steps an epoch at global batch 2, 1 sample per worker), 3 validation (uneven).
+JOB = {
+    "strategy": "multi_worker",
+    "synthetic_cases": 12,
+    "synthetic_shape": [24, 24, 16],
+    "input_shape": [16, 16, 16],
+    "crop_jitter": 2,
+    "depth": 2,
+    "base_filters": 4,
+    "batch_size": 2,
+    "epochs": 3,
+    "dice_floor": 0.0,
+    "intra_op_threads": 1,
+}
+
+PLAYBOOK = """\
+- name: Run the training job and check its verdict
+  hosts: workers
+  gather_facts: true
+  roles:
+    - role: bigmem_train
+"""
+
+
+def write_play(folder: Path, image: str, hostvars: dict[str, dict[str, str]], **variables) -> tuple[Path, Path]:
+    """An inventory of two local hosts (group `workers`), the playbook and its extra variables."""
+    lines = ["[workers]"]
+    for host, values in hostvars.items():
+        lines.append(" ".join([host, *(f"{key}={value}" for key, value in values.items())]))
+    lines += ["", "[workers:vars]", "ansible_connection=local", f"ansible_python_interpreter={sys.executable}",
+              "ansible_become=false", "bigmem_train_worker_address=127.0.0.1"]
+    (folder / "inventory.ini").write_text("\n".join(lines) + "\n")
+    (folder / "train.yml").write_text(PLAYBOOK)
+    name, _, tag = image.partition(":")
+    extra = {
+        "bigmem_train_group": "workers",
+        "bigmem_train_job": JOB,
+        "bigmem_train_templates_dir": str(REPO / "templates"),
+        "bigmem_train_fetch_dir": str(folder / "fetched"),
+        "bigmem_image_name": name,
+        "bigmem_image_tag": tag or "latest",
+        "bigmem_train_poll": 3,
+        "bigmem_train_timeout": 900,
+        **variables,
+    }
+    (folder / "extra.json").write_text(json.dumps(extra))
+    return folder / "inventory.ini", folder / "train.yml"
+
+
+def play(folder: Path, timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
+    environment = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "ansible" / "roles"),
+                   "ANSIBLE_FILTER_PLUGINS": str(REPO / "ansible" / "filter_plugins"),
+                   "ANSIBLE_NOCOLOR": "1", "ANSIBLE_HOST_KEY_CHECKING": "false", "ANSIBLE_RETRY_FILES_ENABLED": "false"}
+    started = time.monotonic()
+    result = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", "inventory.ini", "-e", "@extra.json", "train.yml"],
+                            cwd=folder, capture_output=True, text=True, timeout=timeout, env=environment)
+    return result, time.monotonic() - started
+
+
+def results_folder(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() == 0:
+        os.chown(path, UID, UID)
+    else:
+        path.chmod(0o777)
+    return path
+
+
+def leftover_containers(prefix: str) -> list[str]:
+    output = subprocess.run(["docker", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True).stdout
+    return [name for name in output.split() if name.startswith(prefix)]
+
+
+@pytest.fixture
+def ansible_playbook() -> Path:
+    if not ANSIBLE_PLAYBOOK.exists():
+        pytest.skip("ansible-playbook not installed (pip install '.[ops]')")
+    if os.geteuid() != 0:
+        pytest.skip("the train role sets the results folder's owner to the container user (needs root)")
+    return ANSIBLE_PLAYBOOK
+
+
+def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_playbook):
+    ports = [free_port(), free_port()]
+    hostvars = {f"w{index}": {"bigmem_train_worker_port": port,
+                              "bigmem_train_results_dir": results_folder(tmp_path / f"w{index}")}
+                for index, port in enumerate(ports)}
+    write_play(tmp_path, bigmem_image, hostvars)
+    result, seconds = play(tmp_path, timeout=900)
+    output = result.stdout + result.stderr
+    print(f"\nmulti-worker play: {seconds:.0f} s", file=sys.stderr)
+    assert result.returncode == 0, output[-6000:]
+    assert "failed=0" in output and "PASS ansible-" in output and "on 2 workers (w0, w1)" in output
+
+    # One job: the same run name on both hosts, each with its own TF_CONFIG from the shared template.
+    chief_runs = [path for path in (tmp_path / "w0").iterdir() if (path / "verdict.json").exists()]
+    assert len(chief_runs) == 1, list((tmp_path / "w0").iterdir())
+    run = chief_runs[0].name
+    chief, worker = tmp_path / "w0" / run, tmp_path / "w1" / f"{run}.worker1"
+    groups = {"workers": ["w0", "w1"]}
+    template_vars = {host: {"bigmem_train_worker_address": "127.0.0.1", "bigmem_train_worker_port": port}
+                     for host, port in zip(groups["workers"], ports)}
+    for index, host in enumerate(groups["workers"]):
+        written = (tmp_path / host / f"{run}.tf_config.json").read_text().strip()
+        assert written == render_tf_config(groups, template_vars, host, "workers"), "Ansible and the CLI agree"
+        cluster = parse_tf_config(written)
+        assert cluster.index == index and cluster.workers == tuple(f"127.0.0.1:{port}" for port in ports)
+
+    # Both ran as workers of that job, to the end; only the chief validated.
+    assert json.loads((chief / "verdict.json").read_text())["verdict"] == "PASS"
+    assert not (worker / "verdict.json").exists()
+    for run_dir in (chief, worker):
+        assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert metrics["strategy"] == "multi_worker" and metrics["workers"] == 2
+        assert metrics["epochs_completed"] == JOB["epochs"] and metrics["steps"] == 4 * JOB["epochs"]
+        assert (metrics["validation_cases"], metrics["validation_padded_samples"]) == (3, 1)
+    assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
+    chief_weights = load_weights(chief / "checkpoints" / "last.keras")
+    worker_weights = load_weights(worker / "checkpoints" / "last.keras")
+    assert len(chief_weights) == len(worker_weights) > 0
+    for mine, theirs in zip(chief_weights, worker_weights):
+        np.testing.assert_array_equal(mine, theirs)
+
+    # Each host's run directory was fetched to the controller.
+    assert json.loads((tmp_path / "fetched" / "w0" / run / "verdict.json").read_text())["verdict"] == "PASS"
+    assert (tmp_path / "fetched" / "w1" / f"{run}.worker1" / "state.json").exists()
+    assert not leftover_containers(f"bigmem-{run}-")
+
+
+def test_a_worker_that_cannot_start_fails_the_play(tmp_path, bigmem_image, ansible_playbook):
+    no_dataset = tmp_path / "no-dataset"
+    no_dataset.mkdir()
+    hostvars = {
+        "w0": {"bigmem_train_worker_port": free_port(), "bigmem_train_results_dir": results_folder(tmp_path / "w0")},
+        "w1": {"bigmem_train_worker_port": free_port(), "bigmem_train_results_dir": results_folder(tmp_path / "w1"),
+               "bigmem_train_dataset_path": no_dataset},
+    }
+    start_timeout = 45
+    write_play(tmp_path, bigmem_image, hostvars, bigmem_train_start_timeout=start_timeout)
+    result, seconds = play(tmp_path, timeout=600)
+    output = result.stdout + result.stderr
+    print(f"\nfailed multi-worker play: {seconds:.0f} s", file=sys.stderr)
+    assert result.returncode != 0, output[-6000:]
+    assert "did not start" in output, output[-6000:]
+    assert "worker 1 (w1) ended with exit code 2" in output and "dataset.json" in output, output[-6000:]
+    assert "worker 0 (w0) was still waiting for the others" in output, output[-6000:]
+    # Stopped, not left waiting: no container of the job remains.
+    run = next(path.stem for path in (tmp_path / "w0").glob("ansible-*.yaml"))
+    assert not leftover_containers(f"bigmem-{run}-")
