@@ -7,7 +7,7 @@ right shape; the child reports its peak RSS (VmHWM). The planner predicts the sa
 pipeline replaced by the child's one in-memory batch).
 
 Two columns of prediction: with the stored calibration (``plan --calibrate``), and leave-one-out (the
-three constants fitted on the other jobs of the sweep, so no job predicts itself). Targets (issue 3):
+constants fitted on the other jobs of the sweep, so no job predicts itself). Targets (issue 3):
 MAPE at most 3 %, no job off by more than 6 %.
 
     python benchmarks/planner_accuracy.py                 # measure the sweep (about 15 min on 2 cores)
@@ -91,7 +91,7 @@ def report(results: Path, calibration: Calibration) -> dict:
         stored = sum(predicted_for_measurement(config, calibration).values())
         others = samples[:index] + samples[index + 1:]
         held_out = stored
-        if len(others) >= 3:  # three constants need three other jobs
+        if len(others) >= 3:  # up to three constants need three other jobs
             held_out = sum(predicted_for_measurement(config, fit_constants(others)).values())
         rows.append({"job": describe(records[index]["job"]), "measured": measured, "stored": stored,
                      "held_out": held_out})

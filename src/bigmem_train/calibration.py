@@ -1,4 +1,4 @@
-"""Measure real peak memory of a few training steps, and fit the planner's three machine constants.
+"""Measure real peak memory of a few training steps, and fit the planner's machine constants.
 
 ``measure_peak(config)`` runs the job in a child process (``python -m bigmem_train.calibration``) under
 the runtime a real run has (``pipeline.runtime_environment``: the oneDNN switch, the configured
@@ -9,8 +9,8 @@ allocator it really ran on and, under tcmalloc, the heap counters. One config pe
 of one run inflates the next.
 
 ``calibrate()`` measures small jobs and fits, by least squares, measured - (weights, gradients, Adam
-slots, input) = runtime baseline + activation factor x (tensors alive at the backward peak) + workspace
-factor x (one sample's largest patch matrix); it writes the constants and the runtime they were
+slots, input) = runtime baseline + activation factor x (tensors alive at the backward peak) [+ workspace
+factor x one sample's largest patch matrix, with oneDNN off]; it writes the constants and the runtime they were
 measured under to ``~/.cache/bigmem-train/calibration.json`` (or ``$BIGMEM_CALIBRATION``).
 """
 
@@ -29,15 +29,17 @@ from .config import Config, load_config
 from .errors import BadInput
 from .planner import Calibration, breakdown_for, calibration_path_for_user, layer_table
 
-# Small jobs the constants are fitted on: a few seconds a step on two cores, spanning 1..4 channels,
-# depths 3..5, batches 1..4 and a range of sizes, so the intercept (baseline), the batch-wide slope
-# (activation factor) and the per-sample one (workspace factor) separate.
+# Jobs the constants are fitted on, none of them in the accuracy sweep: a few seconds a step on two
+# cores, peaks of 0.8-1.4 GiB, batches 1..4, 1 and 4 channels, 8 and 16 filters, depths 3..4, so the
+# intercept (baseline) and the slope (activation factor) separate, and with oneDNN off the per-sample
+# column buffer (workspace factor) too.
 CALIBRATION_JOBS: list[dict[str, Any]] = [
-    {"shape": (48, 48, 32), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
-    {"shape": (32, 32, 32), "batch": 2, "filters": 8, "depth": 5, "channels": 4},
+    {"shape": (64, 64, 48), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (128, 64, 32), "batch": 1, "filters": 8, "depth": 4, "channels": 1},
+    {"shape": (64, 64, 32), "batch": 3, "filters": 8, "depth": 4, "channels": 1},
+    {"shape": (48, 48, 48), "batch": 4, "filters": 8, "depth": 3, "channels": 4},
     {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
     {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1},
-    {"shape": (48, 48, 32), "batch": 4, "filters": 8, "depth": 3, "channels": 1},
 ]
 
 
@@ -212,7 +214,8 @@ def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     """Least squares of measured - (weights, gradients, slots, input) = baseline + activation factor x
-    (tensors alive at the backward peak) + workspace factor x (one sample's largest patch matrix).
+    (tensors alive at the backward peak) [+ workspace factor x one sample's largest patch matrix, with
+    TensorFlow's own Conv3D kernels only].
 
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).
@@ -226,7 +229,8 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
         rest = features(config, 0.0, 0.0)
         table.append([1.0, features(config, 1.0, 0.0) - rest, features(config, 0.0, 1.0) - rest])
         targets.append(measured - rest)
-    free = [0, 1, 2]
+    # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
+    free = [0] + [i for i in (1, 2) if any(row[i] for row in table)]
     while True:
         solution = _solve([[row[i] for i in free] for row in table], targets)
         values = dict(zip(free, solution))
@@ -260,12 +264,19 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
     }
 
 
+# Each calibration job is measured this many times: the same job's peak varied by up to 6 % from one
+# process to the next (allocation order), and every repeat halves that noise in the fit.
+CALIBRATION_REPEATS = 2
+
+
 def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = None,
-              log: Callable[[str], None] | None = print, path: Path | None = None) -> Path:
-    """Measure ``jobs`` (default ``CALIBRATION_JOBS``), fit the constants, store them; return the file."""
+              log: Callable[[str], None] | None = print, path: Path | None = None,
+              repeats: int = CALIBRATION_REPEATS) -> Path:
+    """Measure ``jobs`` (default ``CALIBRATION_JOBS``) ``repeats`` times each, fit the constants, store
+    them; return the file."""
     base = base or load_config()
     samples, records = [], []
-    for job in jobs or CALIBRATION_JOBS:
+    for job in [job for _ in range(repeats) for job in jobs or CALIBRATION_JOBS]:
         config = job_config(base, **job)
         measured = measure_peak(config)
         samples.append((config, measured["peak_rss_bytes"]))
@@ -280,7 +291,8 @@ def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = No
                     else calibration_path_for_user())
     data = calibration_data(fitted, {
         "by": "bigmem-train plan --calibrate",
-        "how": f"{len(records)} jobs, each in its own process: model.fit, 3 steps on random in-memory data, "
+        "how": f"{len(records)} measurements ({repeats} of each job), each in its own process: model.fit, 3 steps "
+               "on random in-memory data, "
                "the run's runtime (oneDNN switch, allocator preloaded, threads), peak RSS (VmHWM)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         **runtime_record(base, measured),

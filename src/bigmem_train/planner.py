@@ -9,8 +9,8 @@ TensorFlow takes seconds and must not happen before the pipeline re-executes und
 Peak = weights + gradients + optimizer slots + activations kept for backward + largest transient
 workspace + input pipeline buffers + runtime baseline. What each op keeps for backward follows
 TensorFlow's gradient definitions (see ``kept_tensors``); ``backward_live_bytes`` walks the backward
-pass to find the most activations and activation gradients alive at once. The three machine constants
-(runtime baseline, activation factor, workspace factor) are measured by ``bigmem-train plan --calibrate``
+pass to find the most activations and activation gradients alive at once. The machine constants (runtime
+baseline, activation factor; workspace factor with oneDNN off) are measured by ``bigmem-train plan --calibrate``
 (:mod:`bigmem_train.calibration`) under the runtime the job runs with.
 """
 
@@ -179,9 +179,10 @@ class Calibration:
     # the activation gradients alive with them, ``backward_live_bytes``): 1 would be a perfect allocator
     # and no op temporaries.
     activation_factor: float = 1.0
-    # Per-sample convolution workspace at the peak, as a multiple of the largest convolution's patch
-    # matrix for one sample (``workspace_reference_bytes``): about 1 with TensorFlow's own (Eigen) Conv3D
-    # backward kernels, which build that matrix a sample at a time; far less with oneDNN's.
+    # Column buffers of TensorFlow's own (Eigen) Conv3D backward kernels (runtime.onednn false), as a
+    # multiple of the largest convolution's patch matrix for one sample (``workspace_reference_bytes``):
+    # about 1, those kernels build that matrix a sample or two at a time. oneDNN's build none, so a
+    # calibration under oneDNN leaves it at 0 and the term is not used.
     workspace_factor: float = 1.0
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
@@ -480,8 +481,11 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     factor = calibration.activation_factor
     activations = int(factor * kept)
     # The transient part of the peak: activation gradients (and a rebuilt block) alive with the kept
-    # tensors at the backward peak, and the convolution workspace of one sample.
-    column_buffers = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
+    # tensors at the backward peak, and, with TensorFlow's own Conv3D kernels, their per-sample column
+    # buffer (oneDNN's kernels build none: docs/planner.md).
+    column_buffers = 0
+    if not config.runtime.onednn:
+        column_buffers = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
     workspace = int(factor * live) - activations + int(calibration.workspace_factor * column_buffers)
     return {
         "weights": weights,
@@ -773,7 +777,8 @@ def format_plan(plan: JobPlan) -> str:
         lines.append(f"  {key:<{width}}  {format_bytes(value)}")
     lines.append(f"  {'total':<{width}}  {format_bytes(plan.peak_bytes)}")
     voxels = config.training.batch_size // plan.workers * config.voxels_per_sample
-    lines.append(f"per input voxel: {plan.breakdown['activations'] / voxels:.0f} B kept for backward, "
+    lines.append(f"per input voxel: {plan.breakdown['activations'] / voxels:.0f} B for the activations kept for "
+                 "backward, "
                  f"{plan.peak_bytes / voxels:.0f} B in all")
     lines.append(f"placement: {plan.placement.policy} ({plan.placement.reason})")
     if plan.placement.numactl_args():

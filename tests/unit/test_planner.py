@@ -247,34 +247,52 @@ FIT_JOBS = [
 ]
 
 
-def test_calibration_fit_recovers_known_constants(tables):
-    from bigmem_train.calibration import fit_constants, job_config, predicted_for_measurement
+def synthetic_samples(truth, onednn=True, noise=lambda job: 0):
+    from bigmem_train.calibration import job_config, predicted_for_measurement
 
-    truth = Calibration(runtime_baseline_bytes=812 * 1024**2, activation_factor=1.23, workspace_factor=0.09)
-    base = load_config()
+    base = load_config(None, {"runtime.onednn": onednn})
     samples = []
     for job in FIT_JOBS:
         config = job_config(base, **job)
-        samples.append((config, sum(predicted_for_measurement(config, truth).values())))
-    fitted = fit_constants(samples)
+        samples.append((config, sum(predicted_for_measurement(config, truth).values()) + noise(job)))
+    return samples
+
+
+def test_calibration_fit_recovers_known_constants(tables):
+    from bigmem_train.calibration import fit_constants
+
+    # oneDNN (the default): no column buffer, two constants.
+    truth = Calibration(runtime_baseline_bytes=812 * 1024**2, activation_factor=1.23, workspace_factor=0.0)
+    fitted = fit_constants(synthetic_samples(truth))
     assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
     assert fitted.activation_factor == pytest.approx(1.23, abs=1e-3)
-    assert fitted.workspace_factor == pytest.approx(0.09, abs=1e-3)
+    assert fitted.workspace_factor == 0.0
+    # TensorFlow's own kernels: their per-sample column buffer is the third constant.
+    truth = Calibration(runtime_baseline_bytes=700 * 1024**2, activation_factor=1.1, workspace_factor=0.92)
+    fitted = fit_constants(synthetic_samples(truth, onednn=False))
+    assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
+    assert fitted.activation_factor == pytest.approx(1.1, abs=1e-3)
+    assert fitted.workspace_factor == pytest.approx(0.92, abs=1e-3)
+
+
+def test_the_column_buffer_counts_only_with_tensorflows_own_kernels(tables):
+    calibration = Calibration(runtime_baseline_bytes=0, activation_factor=1.0, workspace_factor=1.0)
+    onednn = planner.estimate(study(), calibration)
+    eigen = planner.estimate(study(**{"runtime.onednn": False}), calibration)
+    table = planner.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
+    column = planner.workspace_reference_bytes(table, 16, (240, 240, 144))
+    assert eigen["workspace"] - onednn["workspace"] == column
+    assert column > 25 * GIB  # 27 x 32 channels x 4 B per voxel of one 240x240x144 sample
 
 
 def test_a_negative_slope_is_pinned_to_zero(tables):
-    from bigmem_train.calibration import fit_constants, job_config, predicted_for_measurement
+    from bigmem_train.calibration import fit_constants
 
     truth = Calibration(runtime_baseline_bytes=700 * 1024**2, activation_factor=1.2, workspace_factor=0.0)
-    base = load_config()
-    samples = []
-    for job in FIT_JOBS:
-        config = job_config(base, **job)
-        # Noise that alone would pull the workspace slope below zero.
-        noise = -30 * 1024**2 if job["batch"] == 1 else 0
-        samples.append((config, sum(predicted_for_measurement(config, truth).values()) + noise))
+    # Noise that alone would pull the workspace slope below zero.
+    samples = synthetic_samples(truth, onednn=False, noise=lambda job: -30 * 1024**2 if job["batch"] == 1 else 0)
     fitted = fit_constants(samples)
-    assert fitted.workspace_factor >= 0.0
+    assert fitted.workspace_factor == 0.0
     assert fitted.activation_factor > 1.0
 
 

@@ -1,0 +1,117 @@
+"""What single layers allocate: the transient resident memory of one forward + backward call of one
+Keras layer, at batch 1 and 2, under the runtime a real run has (oneDNN switch, allocator preloaded).
+
+Each call is measured as the rise of the RSS high-water mark (VmHWM, reset with clear_refs) over the
+RSS before it, after the allocator's free memory was handed back (tcmalloc ReleaseFreeMemory, glibc
+malloc_trim), so memory kept from the previous call does not hide the allocation. Three calls per case:
+the first includes tracing and oneDNN primitive creation. A convolution that built an im2col patch
+matrix would show 27 x input channels x voxels x 4 B (216 MiB for 8 channels at 64^3).
+
+    python benchmarks/planner_layer_probe.py                  # conv, convT, batch norm, ReLU, max pool
+    python benchmarks/planner_layer_probe.py --layers conv --onednn false --allocator glibc
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+LAYERS = ("conv", "conv_bn_relu", "bn", "relu", "pool", "convT")
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _release_and_reset() -> None:
+    library = ctypes.CDLL(None)
+    if hasattr(library, "MallocExtension_ReleaseFreeMemory"):
+        library.MallocExtension_ReleaseFreeMemory()
+    elif hasattr(library, "malloc_trim"):
+        library.malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None:
+    """The child's side: one JSON line per layer with the rise in MiB of each call at batch 1 and 2."""
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+    def build(kind: str) -> keras.Model:
+        x = keras.Input((*shape, channels))
+        y = x
+        if kind in ("conv", "conv_bn_relu"):
+            y = keras.layers.Conv3D(channels, 3, padding="same")(y)
+        if kind in ("bn", "conv_bn_relu"):
+            y = keras.layers.BatchNormalization()(y)
+        if kind in ("relu", "conv_bn_relu"):
+            y = keras.layers.Activation("relu")(y)
+        if kind == "pool":
+            y = keras.layers.MaxPooling3D()(y)
+        if kind == "convT":
+            y = keras.layers.Conv3DTranspose(channels, 2, strides=2)(y)
+        return keras.Model(x, y)
+
+    tensor_mib = 1
+    for edge in shape:
+        tensor_mib *= edge
+    tensor_mib = tensor_mib * channels * 4 / 2**20
+    for kind in layers:
+        result = {"layer": kind, "shape": list(shape), "channels": channels, "input_MiB_per_sample": tensor_mib}
+        for batch in (1, 2):
+            model = build(kind)
+            data = tf.Variable(tf.random.normal((batch, *shape, channels)))
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(model(data, training=True))
+                return tape.gradient(loss, [data, *model.trainable_variables])
+
+            rises = []
+            for _ in range(3):
+                _release_and_reset()
+                before = _status("VmRSS")
+                gradients = step()
+                gradients[0].numpy().ravel()[:1]
+                rises.append(round((_status("VmHWM") - before) / 2**20, 1))
+                del gradients
+            result[f"batch{batch}_MiB"] = rises
+            del data, model
+        print(json.dumps(result), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, of {', '.join(LAYERS)}")
+    parser.add_argument("--shape", default="64,64,64")
+    parser.add_argument("--channels", type=int, default=8)
+    parser.add_argument("--onednn", default="true", choices=["true", "false"])
+    parser.add_argument("--allocator", default="tcmalloc", choices=["glibc", "jemalloc", "tcmalloc"])
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    shape = tuple(int(edge) for edge in args.shape.split(","))
+    if args.child:
+        probe(args.layers.split(","), shape, args.channels)  # type: ignore[arg-type]
+        return 0
+    from bigmem_train.config import load_config
+    from bigmem_train.pipeline import runtime_environment
+
+    config = load_config(None, {"runtime.onednn": args.onednn == "true", "runtime.allocator": args.allocator})
+    environment = dict(runtime_environment(config), TF_CPP_MIN_LOG_LEVEL="3")
+    return subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child"], env=environment).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
