@@ -2,7 +2,7 @@
 (ansible_connection=local, worker ports on 127.0.0.1, their own results folders), one container each in
 the local Docker daemon with the kit's image, started together with host networking and TF_CONFIG from
 templates/tf_config.json.j2. The play passes only when the chief's verdict passes and every worker
-finished; both workers end with identical weights.
+finished; both workers end with identical weights; a second play changes nothing.
 
 A second play gives worker 1 a dataset folder without dataset.json: it ends at once, and the play
 stops the chief (which waits for it) and fails with one message naming both workers, within
@@ -156,10 +156,19 @@ def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_
     for mine, theirs in zip(chief_weights, worker_weights):
         np.testing.assert_array_equal(mine, theirs)
 
+    metrics_before = json.loads((chief / "metrics.json").read_text())["train_seconds_this_session"]
+
     # Each host's run directory was fetched to the controller.
     assert json.loads((tmp_path / "fetched" / "w0" / run / "verdict.json").read_text())["verdict"] == "PASS"
     assert (tmp_path / "fetched" / "w1" / f"{run}.worker1" / "state.json").exists()
     assert not leftover_containers(f"bigmem-{run}-")
+
+    # A second play finds the chief's verdict: nothing runs again, nothing changes, the check still passes.
+    again, seconds = play(tmp_path, timeout=600)
+    print(f"second multi-worker play: {seconds:.0f} s", file=sys.stderr)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
+    assert again.stdout.count("changed=0") == 2 and "PASS " + run in again.stdout, again.stdout[-6000:]
+    assert json.loads((chief / "metrics.json").read_text())["train_seconds_this_session"] == metrics_before
 
 
 def test_a_worker_that_cannot_start_fails_the_play(tmp_path, bigmem_image, ansible_playbook):
