@@ -5,7 +5,9 @@ Each call is measured as the rise of the RSS high-water mark (VmHWM, reset with 
 RSS before it, after the allocator's free memory was handed back (tcmalloc ReleaseFreeMemory, glibc
 malloc_trim), so memory kept from the previous call does not hide the allocation. Three calls per case:
 the first includes tracing and oneDNN primitive creation. A convolution that built an im2col patch
-matrix would show 27 x input channels x voxels x 4 B (216 MiB for 8 channels at 64^3).
+matrix would show 27 x input channels x voxels x 4 B (216 MiB for 8 channels at 64^3). Under tcmalloc,
+``retained_MiB`` is what stays allocated after the three calls (its allocated-bytes counter after minus
+before): memory the kernels keep from one call to the next.
 
     python benchmarks/planner_layer_probe.py                  # conv, convT, batch norm, ReLU, max pool
     python benchmarks/planner_layer_probe.py --layers conv --onednn false --allocator glibc
@@ -42,8 +44,12 @@ def _release_and_reset() -> None:
 
 def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None:
     """The child's side: one JSON line per layer with the rise in MiB of each call at batch 1 and 2."""
+    import gc
+
     import keras
     import tensorflow as tf
+
+    from bigmem_train.calibration import tcmalloc_stats
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -80,6 +86,8 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
                 return tape.gradient(loss, [data, *model.trainable_variables])
 
             rises = []
+            gc.collect()
+            allocated_before = tcmalloc_stats().get("current_allocated_bytes")
             for _ in range(3):
                 _release_and_reset()
                 before = _status("VmRSS")
@@ -88,6 +96,10 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
                 rises.append(round((_status("VmHWM") - before) / 2**20, 1))
                 del gradients
             result[f"batch{batch}_MiB"] = rises
+            gc.collect()
+            if allocated_before is not None:
+                retained = tcmalloc_stats()["current_allocated_bytes"] - allocated_before
+                result[f"batch{batch}_retained_MiB"] = round(retained / 2**20, 1)
             del data, model
         print(json.dumps(result), flush=True)
 
