@@ -110,6 +110,7 @@ def test_planner_plans_one_replica_per_host(monkeypatch):
     single_plan, multi_plan = plan_job(single, None), plan_job(multi, None)
     assert single_plan.workers == 1 and "allreduce_buffers" not in single_plan.breakdown
     assert multi_plan.workers == 2 and multi_plan.to_dict()["batch_size_per_worker"] == 2
-    assert multi_plan.breakdown["activations"] * 2 == single_plan.breakdown["activations"]
+    # Per-replica activations are half the single host's (the fitted activation factor rounds each to a byte).
+    assert abs(multi_plan.breakdown["activations"] * 2 - single_plan.breakdown["activations"]) <= 2
     assert multi_plan.breakdown["allreduce_buffers"] == multi_plan.breakdown["gradients"]
     assert multi_plan.breakdown["weights"] == single_plan.breakdown["weights"]
