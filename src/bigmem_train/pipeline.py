@@ -98,17 +98,19 @@ def handed_down_plan(config: Config, sized: Config, plan_dict: dict) -> str:
 
 def inherited_plan(config: Config) -> tuple[Config, dict] | None:
     """(sized config, plan.json) handed down by the process that re-executed this one for ``config``;
-    None when this process was not re-executed or the plan was made for another config."""
+    None when this process was not re-executed, or the plan was made for another config or is not one
+    (then it says so: the job is planned again)."""
     text = os.environ.pop(PLAN_ENV, None)
     if not text or not os.environ.get(LAUNCHED_ENV):
         return None
     try:
         data = json.loads(text)
-    except ValueError:
-        return None
-    if data.get("for") != _config_digest(config):
-        return None
-    return Config.model_validate(data["config"]), data["plan"]
+        if data["for"] == _config_digest(config):
+            return Config.model_validate(data["config"]), data["plan"]
+    except (ValueError, TypeError, KeyError):  # not JSON, not a dict, a field missing, an invalid config
+        pass
+    print(f"bigmem-train: the plan handed down in {PLAN_ENV} is not for this job; planning it again", flush=True)
+    return None
 
 
 def _synthetic_dataset(config: Config) -> Path:
@@ -154,6 +156,9 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
         print(f"bigmem-train: planned peak {format_bytes(plan.peak_bytes)}"
               + (f", target {format_bytes(plan.target_bytes)}" if plan.target_bytes else "")
               + f", NUMA {plan.placement.policy}", flush=True)
+        if plan.calibration_warning:
+            print(f"bigmem-train: warning: the planner's constants ({plan.calibration_source}) were "
+                  f"{plan.calibration_warning}", flush=True)
 
         # oneDNN is switched by the environment and read once, when TensorFlow loads (the planner builds
         # its model in a child process, so TensorFlow is not loaded here yet).

@@ -26,3 +26,15 @@ def test_a_plan_for_another_config_or_outside_a_relaunch_is_ignored(monkeypatch)
     monkeypatch.delenv(pipeline.LAUNCHED_ENV)
     monkeypatch.setenv(pipeline.PLAN_ENV, handed)
     assert pipeline.inherited_plan(requested) is None
+
+
+def test_a_handed_down_value_that_is_not_a_plan_is_ignored_with_a_note(monkeypatch, capsys):
+    requested = load_config(None, {"footprint.target": "2GiB"})
+    monkeypatch.setenv(pipeline.LAUNCHED_ENV, "1")
+    digest = pipeline._config_digest(requested)
+    for value in ["not json", "[1, 2]", '"a string"', '{"config": {}}',
+                  '{"for": "%s", "config": {"training": {"batch_size": -1}}, "plan": {}}' % digest,
+                  pipeline.handed_down_plan(requested, requested, {})[:-1]]:
+        monkeypatch.setenv(pipeline.PLAN_ENV, value)
+        assert pipeline.inherited_plan(requested) is None, value
+        assert "not for this job; planning it again" in capsys.readouterr().out, value
