@@ -368,16 +368,6 @@ def _recomputed_internals(table: list[dict[str, Any]], kept: KeptTensors) -> dic
     return internals
 
 
-def _kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
-                  recompute: bool) -> tuple[dict[str, int], int]:
-    """Tensors kept for backward (key -> bytes) and, under recomputation, the largest rebuilt block."""
-    kept = kept_tensors(table, batch, shape)
-    if not recompute:
-        return kept.sizes, 0
-    internals = _recomputed_internals(table, kept)
-    return kept.sizes, max((sum(block.values()) for block in internals.values()), default=0)
-
-
 def backward_live_bytes(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
                         recompute: bool) -> tuple[int, int]:
     """(bytes kept for backward incl. the loss's, largest bytes of activations and activation gradients

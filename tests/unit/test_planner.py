@@ -66,9 +66,8 @@ def test_weights_gradients_and_adam_slots_follow_the_parameter_count(tables):
 def test_kept_tensors_follow_the_gradient_rules():
     # depth 3, 8 filters, one 16^3 sample: count what the rules keep at full resolution.
     table = recorded_table("unet_depth3_filters8_float32")
-    kept, transient = planner._kept_tensors(table, 1, (16, 16, 16), recompute=False)
+    kept = planner.kept_tensors(table, 1, (16, 16, 16)).sizes
     voxels = 16**3
-    assert transient == 0
     assert kept["volume"] == voxels * 4  # the input, kept by the first convolution
     assert kept["down0_conv1"] == voxels * 8 * 4  # batch norm keeps its input
     assert kept["down0_relu2"] == voxels * 8 * 4  # ReLU keeps its output (also the skip)
@@ -299,7 +298,7 @@ def test_a_negative_slope_is_pinned_to_zero(tables):
 def test_backward_walk_keeps_the_kept_tensors_and_adds_live_gradients():
     table = recorded_table("unet_depth3_filters8_float32")
     kept, live = planner.backward_live_bytes(table, 1, (16, 16, 16), recompute=False)
-    kept_rules, _ = planner._kept_tensors(table, 1, (16, 16, 16), recompute=False)
+    kept_rules = planner.kept_tensors(table, 1, (16, 16, 16)).sizes
     loss = planner.LOSS_KEPT_TENSORS * 16**3 * 4
     assert kept == sum(kept_rules.values()) + loss
     # At the start of backward everything kept is alive with the loss gradient: at least that much.
@@ -320,7 +319,8 @@ def test_backward_walk_rebuilds_one_block_under_recomputation():
     assert kept_blocks < 0.7 * kept_plain
     assert live_blocks < live_plain
     # The rebuilt block comes on top of what crosses the boundaries.
-    _, largest_block = planner._kept_tensors(blocks, 1, (32, 32, 32), recompute=True)
+    internals = planner._recomputed_internals(blocks, planner.kept_tensors(blocks, 1, (32, 32, 32)))
+    largest_block = max(sum(block.values()) for block in internals.values())
     assert live_blocks >= kept_blocks + largest_block
 
 
