@@ -29,6 +29,17 @@ def load_weights(path):
     return [np.asarray(weight) for weight in model.get_weights()]
 
 
+def assert_trained_in_lockstep(chief, worker):
+    """Two workers' run directories of one job: the same losses (the logs are averaged across workers)
+    and the same final weights."""
+    assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
+    chief_weights = load_weights(chief / "checkpoints" / "last.keras")
+    worker_weights = load_weights(worker / "checkpoints" / "last.keras")
+    assert len(chief_weights) == len(worker_weights) > 0
+    for mine, theirs in zip(chief_weights, worker_weights):
+        np.testing.assert_array_equal(mine, theirs)
+
+
 def test_two_workers_train_in_lockstep(tmp_path):
     ports = [free_port(), free_port()]
     groups = {"workers": ["w0", "w1"]}
@@ -68,13 +79,7 @@ def test_two_workers_train_in_lockstep(tmp_path):
         assert metrics["strategy"] == "multi_worker" and metrics["workers"] == 2
         # Every validation case is seen; one is repeated to fill the last global batch.
         assert (metrics["validation_cases"], metrics["validation_padded_samples"]) == (3, 1)
-    # Same losses on both (the logs are averaged across workers) and the same final weights.
-    assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
-    chief_weights = load_weights(chief / "checkpoints" / "last.keras")
-    worker_weights = load_weights(worker / "checkpoints" / "last.keras")
-    assert len(chief_weights) == len(worker_weights) > 0
-    for mine, theirs in zip(chief_weights, worker_weights):
-        np.testing.assert_array_equal(mine, theirs)
+    assert_trained_in_lockstep(chief, worker)
     # The weights moved: this was training, not two copies of the initial model.
     initial_loss = json.loads((chief / "metrics.json").read_text())["initial_loss"]
     assert initial_loss > json.loads((chief / "metrics.json").read_text())["final_loss"]
