@@ -157,8 +157,8 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
               + (f", target {format_bytes(plan.target_bytes)}" if plan.target_bytes else "")
               + f", NUMA {plan.placement.policy}", flush=True)
         if plan.calibration_warning:
-            print(f"bigmem-train: warning: the planner's constants ({plan.calibration_source}) were "
-                  f"{plan.calibration_warning}", flush=True)
+            print(f"bigmem-train: warning: planner constants {plan.calibration_source}: {plan.calibration_warning}",
+                  flush=True)
 
         # oneDNN is switched by the environment and read once, when TensorFlow loads (the planner builds
         # its model in a child process, so TensorFlow is not loaded here yet).

@@ -186,6 +186,21 @@ class Calibration:
     workspace_factor: float = 1.0
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
+    # Calibration files passed over on the way to this one: fitted for the model before the activation
+    # factor (no ``activation_factor``), whose baseline and workspace factor mean something else.
+    skipped: list[str] = field(default_factory=list)
+
+    def warning(self, config: Config) -> str | None:
+        """What the plan should warn about these constants for ``config`` (files passed over, another
+        runtime), or None."""
+        warnings = []
+        if self.skipped:
+            warnings.append(f"passed over {', '.join(self.skipped)} (made for the planner's earlier model; "
+                            "rerun `bigmem-train plan --calibrate`)")
+        mismatch = self.runtime_mismatch(config)
+        if mismatch:
+            warnings.append(mismatch)
+        return "; ".join(warnings) or None
 
     def runtime_mismatch(self, config: Config) -> str | None:
         """Why these constants may not fit ``config``'s runtime (oneDNN switch, allocator), or None."""
@@ -211,24 +226,34 @@ def calibration_path_for_user() -> Path:
 
 
 def load_calibration() -> Calibration:
-    """$BIGMEM_CALIBRATION, else the user's ``~/.cache/bigmem-train/calibration.json``, else the packaged file."""
+    """$BIGMEM_CALIBRATION, else the user's ``~/.cache/bigmem-train/calibration.json``, else the packaged file.
+
+    A file without ``activation_factor`` was written by ``plan --calibrate`` for the planner's earlier
+    model (its workspace factor scaled a per-sample column buffer under every runtime): it is passed
+    over, and named in ``skipped`` so the plan can say so.
+    """
     candidates = []
     if os.environ.get("BIGMEM_CALIBRATION"):
         candidates.append(Path(os.environ["BIGMEM_CALIBRATION"]))
     candidates += [calibration_path_for_user(), PACKAGED_CALIBRATION]
+    skipped = []
     for path in candidates:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if "activation_factor" not in data:
+            skipped.append(str(path))
+            continue
         return Calibration(
             runtime_baseline_bytes=int(data["runtime_baseline_bytes"]),
-            activation_factor=float(data.get("activation_factor", 1.0)),
+            activation_factor=float(data["activation_factor"]),
             workspace_factor=float(data["workspace_factor"]),
             source=str(path),
             measured=data.get("measured", {}),
+            skipped=skipped,
         )
-    return Calibration()
+    return Calibration(skipped=skipped)
 
 
 def expand_recomputed_blocks(table: list[dict[str, Any]], batch_norm: bool) -> list[dict[str, Any]]:
@@ -675,7 +700,8 @@ class JobPlan:
     original_batch_size: int = 0
     original_input_shape: tuple[int, int, int] = (0, 0, 0)
     calibration_source: str = ""
-    # Set when the constants were fitted under another runtime (oneDNN switch, allocator) than this job's.
+    # Set when the constants were fitted under another runtime (oneDNN switch, allocator) than this job's,
+    # or a calibration file was passed over (``Calibration.warning``).
     calibration_warning: str | None = None
     # Multi-worker: the plan is per host (one replica and its share of the global batch each).
     workers: int = 1
@@ -743,7 +769,7 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
     else:
         placement = Placement("none", [], [], "no host facts")
     return JobPlan(sized, peak, breakdown, target, placement, config.training.batch_size,
-                   tuple(config.data.input_shape), calibration.source, calibration.runtime_mismatch(config),
+                   tuple(config.data.input_shape), calibration.source, calibration.warning(config),
                    workers)
 
 

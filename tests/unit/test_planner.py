@@ -338,9 +338,25 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
     assert planner.load_calibration().source in {str(planner.PACKAGED_CALIBRATION), Calibration().source}
     user.mkdir()
-    (user / "calibration.json").write_text(json.dumps({"runtime_baseline_bytes": 1, "workspace_factor": 2.0}))
+    (user / "calibration.json").write_text(json.dumps({"runtime_baseline_bytes": 1, "activation_factor": 1.2,
+                                                       "workspace_factor": 2.0}))
     assert planner.load_calibration().workspace_factor == 2.0
     override = tmp_path / "mine.json"
-    override.write_text(json.dumps({"runtime_baseline_bytes": 5, "workspace_factor": 3.0}))
+    override.write_text(json.dumps({"runtime_baseline_bytes": 5, "activation_factor": 1.2, "workspace_factor": 3.0}))
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
     assert planner.load_calibration().runtime_baseline_bytes == 5
+    assert planner.load_calibration().skipped == []
+
+
+def test_a_calibration_file_of_the_earlier_model_is_passed_over_and_named(tmp_path, monkeypatch):
+    # Written by `plan --calibrate` before the activation factor: its constants belong to another model.
+    user = tmp_path / "cache"
+    user.mkdir()
+    monkeypatch.setenv("BIGMEM_CACHE_DIR", str(user))
+    monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
+    old = user / "calibration.json"
+    old.write_text(json.dumps({"runtime_baseline_bytes": 1, "workspace_factor": 1.15}))
+    calibration = planner.load_calibration()
+    assert calibration.source != str(old) and calibration.skipped == [str(old)]
+    warning = calibration.warning(study())
+    assert str(old) in warning and "--calibrate" in warning
