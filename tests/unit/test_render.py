@@ -66,6 +66,16 @@ def test_default_render_is_the_small_synthetic_job(tmp_path):
     assert config.training.batch_size == default.training.batch_size
     assert config.runtime.numa_policy == "none"
     assert config.footprint.target is None
+    assert config.training.strategy == "single"
+
+
+def test_rendered_multi_worker_job_says_so(tmp_path):
+    # The train role reads training.strategy from this text to start one container per host.
+    out = tmp_path / "train.yaml"
+    out.write_text(render("train.yaml.j2", {"physical_cores": 2, "numa_node_count": 1, "strategy": "multi_worker",
+                                            "batch_size": 4}))
+    config = load_config(out)
+    assert config.training.strategy == "multi_worker" and config.training.batch_size == 4
 
 
 @pytest.mark.parametrize("allocator, line", [("jemalloc", "MALLOC_CONF="), ("tcmalloc", "TCMALLOC_"),
