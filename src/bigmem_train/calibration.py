@@ -230,7 +230,8 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
         table.append([1.0, features(config, 1.0, 0.0) - rest, features(config, 0.0, 1.0) - rest])
         targets.append(measured - rest)
     # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
-    free = [0] + [i for i in (1, 2) if any(row[i] for row in table)]
+    measurable = [i for i in (1, 2) if any(row[i] for row in table)]
+    free = [0] + measurable
     while True:
         solution = _solve([[row[i] for i in free] for row in table], targets)
         values = dict(zip(free, solution))
@@ -238,8 +239,11 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
         if not negative:
             break
         free.remove(min(negative, key=lambda i: values[i]))
+    # Under oneDNN the column buffer cannot be measured: keep the built-in factor (about one sample's
+    # patch matrix) for plans of jobs that switch oneDNN off, rather than a 0 that was never measured.
+    workspace = round(values.get(2, 0.0), 4) if 2 in measurable else Calibration.workspace_factor
     return Calibration(runtime_baseline_bytes=int(values[0]), activation_factor=round(values.get(1, 0.0), 4),
-                       workspace_factor=round(values.get(2, 0.0), 4))
+                       workspace_factor=workspace)
 
 
 def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:

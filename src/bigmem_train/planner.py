@@ -181,8 +181,9 @@ class Calibration:
     activation_factor: float = 1.0
     # Column buffers of TensorFlow's own (Eigen) Conv3D backward kernels (runtime.onednn false), as a
     # multiple of the largest convolution's patch matrix for one sample (``workspace_reference_bytes``):
-    # about 1, those kernels build that matrix a sample or two at a time. oneDNN's build none, so a
-    # calibration under oneDNN leaves it at 0 and the term is not used.
+    # about 1, those kernels build that matrix a sample or two at a time. oneDNN's build none: a
+    # calibration under oneDNN cannot measure it and keeps this built-in value, used only by jobs with
+    # oneDNN off.
     workspace_factor: float = 1.0
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
