@@ -4,8 +4,9 @@
 #      pulled; else a Debian 12 base built from Debian packages (docker/build-base-image.sh);
 #   2. the wheelhouse .whl/ from docker/requirements.lock (docker/build-wheelhouse.sh);
 #   3. docker build, with --network none when the base already holds the Debian packages.
-# The image carries the SHA-256 of its build context as the label org.bigmem-train.context-sha256;
-# when TAG already carries the current one, nothing is built (use --force to build anyway).
+# The image carries the SHA-256 of its build context (docker/build_context.py, shared with the Ansible
+# role bigmem_image) as the label org.bigmem-train.context-sha256; when TAG, or another image, carries
+# the current one and is built on the chosen base, nothing is built (use --force to build anyway).
 #
 # Usage: docker/build-image.sh [--force] [--local-base] [TAG]     (default TAG: bigmem-train:latest)
 #   --local-base  skip the registry and use (or build) bigmem-train-base:bookworm
@@ -22,7 +23,7 @@ while [ $# -gt 0 ]; do
     case $1 in
         --force) force=1 ;;
         --local-base) local_base=1 ;;
-        -h | --help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "build-image.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -55,37 +56,32 @@ fi
 base_id=$(docker image inspect -f '{{.Id}}' "$base")
 base_seconds=$(($(seconds) - start))
 
-# The context hash: every file the Dockerfile copies (as .dockerignore lets through) and the base.
-context_sha256=$("$python" - "$base_id" <<'EOF'
-import hashlib
-import sys
-from pathlib import Path
-
-digest = hashlib.sha256(sys.argv[1].encode() + b"\0")
-paths = [Path("pyproject.toml"), Path("README.md"), Path("docker/Dockerfile"), Path("docker/requirements.lock"),
-         Path(".dockerignore")]
-for top in ("src", "templates"):
-    paths += [path for path in Path(top).rglob("*") if path.is_file() and "__pycache__" not in path.parts
-              and not path.name.endswith(".pyc") and not any(part.endswith(".egg-info") for part in path.parts)]
-for path in sorted(set(paths)):
-    digest.update(str(path).encode() + b"\0" + oct(path.stat().st_mode & 0o111).encode() + b"\0")
-    digest.update(hashlib.sha256(path.read_bytes()).digest())
-print(digest.hexdigest())
-EOF
-)
+# The context hash (docker/build_context.py, the one definition the Ansible role uses too). An image
+# is current when it carries that hash as its label and is built on the chosen base's layers.
+context_sha256=$("$python" "$here/build_context.py" "$repo")
+base_layers=$(docker image inspect -f '{{json .RootFS.Layers}}' "$base")
+on_base() { # IMAGE: whether IMAGE's layers start with the base's
+    local layers
+    layers=$(docker image inspect -f '{{json .RootFS.Layers}}' "$1" 2>/dev/null) || return 1
+    [[ "$layers" == "${base_layers%]}"[],]* ]]
+}
 current=$(docker image inspect -f '{{index .Config.Labels "org.bigmem-train.context-sha256"}}' "$tag" 2>/dev/null || true)
-if [ "$force" -eq 0 ] && [ "$current" = "$context_sha256" ]; then
+if [ "$force" -eq 0 ] && [ "$current" = "$context_sha256" ] && on_base "$tag"; then
     echo "image $tag is current (context ${context_sha256:0:16})"
     echo "$tag"
     exit 0
 fi
-# Another tag of the same context (bigmem-train:latest for the tests' bigmem-train:test): retag it.
-same=$(docker images -q --filter "label=org.bigmem-train.context-sha256=$context_sha256" | head -n 1)
-if [ "$force" -eq 0 ] && [ -n "$same" ]; then
-    docker tag "$same" "$tag"
-    echo "image $tag is current (context ${context_sha256:0:16}, tagged from $same)"
-    echo "$tag"
-    exit 0
+# Another tag of the same context on the same base (bigmem-train:ctx-HASH the Ansible role made, or
+# bigmem-train:latest for the tests' bigmem-train:test): retag it.
+if [ "$force" -eq 0 ]; then
+    for same in $(docker images -q --filter "label=org.bigmem-train.context-sha256=$context_sha256"); do
+        if on_base "$same"; then
+            docker tag "$same" "$tag"
+            echo "image $tag is current (context ${context_sha256:0:16}, tagged from $same)"
+            echo "$tag"
+            exit 0
+        fi
+    done
 fi
 
 # 2. The wheelhouse (kept when PyPI is out of reach and it is already filled: the build checks hashes).
