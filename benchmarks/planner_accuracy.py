@@ -10,7 +10,7 @@ Two columns of prediction: with the stored calibration (``plan --calibrate``), a
 constants fitted on the other jobs of the sweep, so no job predicts itself). Targets (issue 3):
 MAPE at most 3 %, no job off by more than 6 %.
 
-    python benchmarks/planner_accuracy.py                 # measure the sweep (about 15 min on 2 cores)
+    python benchmarks/planner_accuracy.py                 # measure the sweep (about 25 min on 2 cores)
     python benchmarks/planner_accuracy.py --predict-only  # re-predict stored measurements
     python benchmarks/planner_accuracy.py --fit-calibration src/bigmem_train/calibration.json
 """
@@ -42,6 +42,13 @@ SWEEP = [
     {"shape": (64, 64, 48), "batch": 4, "filters": 8, "depth": 4, "channels": 4},
     {"shape": (80, 80, 48), "batch": 3, "filters": 8, "depth": 4, "channels": 1},
     {"shape": (64, 64, 64), "batch": 1, "filters": 16, "depth": 5, "channels": 4},
+    # Larger jobs (peaks of about 2-5 GiB), so the sweep spans the scale the planner extrapolates from.
+    {"shape": (128, 128, 96), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (160, 152, 104), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (128, 96, 96), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
+    {"shape": (96, 96, 96), "batch": 4, "filters": 8, "depth": 3, "channels": 1},
+    {"shape": (128, 128, 128), "batch": 2, "filters": 8, "depth": 4, "channels": 1},
+    {"shape": (192, 192, 128), "batch": 1, "filters": 8, "depth": 4, "channels": 1},
 ]
 
 # The measurements behind docs/planner.md (oneDNN on, tcmalloc); planner_accuracy.onednn-off-glibc.jsonl
