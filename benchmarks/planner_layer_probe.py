@@ -21,25 +21,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 LAYERS = ("conv", "conv_bn_relu", "bn", "relu", "pool", "convT")
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def _release_and_reset() -> None:
+    from bigmem_train.calibration import reset_peak
+
     library = ctypes.CDLL(None)
     if hasattr(library, "MallocExtension_ReleaseFreeMemory"):
         library.MallocExtension_ReleaseFreeMemory()
     elif hasattr(library, "malloc_trim"):
         library.malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
+    reset_peak()
 
 
 def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None:
@@ -49,7 +43,7 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
     import keras
     import tensorflow as tf
 
-    from bigmem_train.calibration import tcmalloc_stats
+    from bigmem_train.calibration import status_bytes, tcmalloc_stats
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -90,10 +84,10 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
             allocated_before = tcmalloc_stats().get("current_allocated_bytes")
             for _ in range(3):
                 _release_and_reset()
-                before = _status("VmRSS")
+                before = status_bytes("VmRSS")
                 gradients = step()
                 gradients[0].numpy().ravel()[:1]
-                rises.append(round((_status("VmHWM") - before) / 2**20, 1))
+                rises.append(round((status_bytes("VmHWM") - before) / 2**20, 1))
                 del gradients
             result[f"batch{batch}_MiB"] = rises
             gc.collect()

@@ -92,7 +92,7 @@ def measure_peak(config: Config, steps: int = 3, timeout: float = 1800) -> dict[
     return measured
 
 
-def _status_bytes(field: str) -> int:
+def status_bytes(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
@@ -131,7 +131,7 @@ def tcmalloc_stats() -> dict[str, int]:
     return stats
 
 
-def _reset_peak() -> None:
+def reset_peak() -> None:
     """Reset this process's VmHWM to its current RSS (Linux clear_refs 5), to see each step's own peak."""
     try:
         Path("/proc/self/clear_refs").write_text("5")
@@ -143,7 +143,7 @@ def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
     """The child's side: build, compile and fit on one random in-memory batch; report VmHWM."""
     import numpy as np
 
-    rss_start = _status_bytes("VmRSS")
+    rss_start = status_bytes("VmRSS")
     import tensorflow as tf
 
     from .host import read_host_facts
@@ -158,7 +158,7 @@ def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
 
     tf.keras.utils.set_random_seed(config.training.seed)
     model = compile_model(config)
-    rss_model = _status_bytes("VmRSS")
+    rss_model = status_bytes("VmRSS")
     batch, shape, channels = config.training.batch_size, config.data.input_shape, config.num_channels
     rng = np.random.default_rng(0)
     images = rng.standard_normal((batch, *shape, channels), dtype=np.float32)
@@ -167,27 +167,27 @@ def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
         labels = rng.integers(0, config.model.output_classes, (batch, *shape, 1)).astype(np.float32)
     dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
     del images, labels  # The dataset holds its own copy.
-    rss_data = _status_bytes("VmRSS")
+    rss_data = status_bytes("VmRSS")
     seconds, step_peaks = [], []
-    overall = [_status_bytes("VmHWM")]
+    overall = [status_bytes("VmHWM")]
 
     class StepTimer(tf.keras.callbacks.Callback):
         def on_train_batch_begin(self, batch_index, logs=None):
-            _reset_peak()
+            reset_peak()
             self.start = time.monotonic()
 
         def on_train_batch_end(self, batch_index, logs=None):
             seconds.append(time.monotonic() - self.start)
-            step_peaks.append(_status_bytes("VmHWM"))
+            step_peaks.append(status_bytes("VmHWM"))
 
     model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[StepTimer()])
     return {
-        "peak_rss_bytes": max(overall + step_peaks + [_status_bytes("VmHWM")]),
+        "peak_rss_bytes": max(overall + step_peaks + [status_bytes("VmHWM")]),
         "step_peak_bytes": step_peaks,
         "rss_start_bytes": rss_start,
         "rss_model_bytes": rss_model,
         "rss_data_bytes": rss_data,
-        "rss_end_bytes": _status_bytes("VmRSS"),
+        "rss_end_bytes": status_bytes("VmRSS"),
         "step_seconds": [round(value, 2) for value in seconds],
         "tensorflow": tf.__version__,
         "threads": [intra, inter],
