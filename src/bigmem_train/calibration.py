@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from .config import Config, load_config
 from .errors import BadInput
+from .host import preloaded_allocator
 from .planner import Calibration, breakdown_for, calibration_path_for_user, layer_table
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
@@ -97,18 +98,6 @@ def status_bytes(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def preloaded_allocator() -> str:
-    """The malloc this process really runs on: tcmalloc or jemalloc when mapped, else glibc."""
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return "unknown"
-    for name in ("tcmalloc", "jemalloc"):
-        if f"lib{name}" in maps:
-            return name
-    return "glibc"
 
 
 def tcmalloc_stats() -> dict[str, int]:

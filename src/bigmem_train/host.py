@@ -303,3 +303,15 @@ def onednn_enabled(cpu_flags: list[str] | None = None) -> bool:
         return False
     flags = set(read_cpu_flags() if cpu_flags is None else cpu_flags)
     return bool(flags & {"avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"})
+
+
+def preloaded_allocator() -> str:
+    """The malloc this process really runs on: tcmalloc or jemalloc when mapped, else glibc."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "unknown"
+    for name in ("tcmalloc", "jemalloc"):
+        if f"lib{name}" in maps:
+            return name
+    return "glibc"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import Config
-from .host import HostFacts, onednn_enabled
+from .host import HostFacts, onednn_enabled, preloaded_allocator
 from .monitor import MemorySampler, read_memory_csv
 from .rundir import write_json
 
@@ -262,8 +262,7 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
         "validation_padded_samples": datasets.validation_padding,
         "workers": workers,
         "allocator_requested": config.runtime.allocator,
-        "allocator": next((name for name in ("tcmalloc", "jemalloc") if name in os.environ.get("LD_PRELOAD", "")),
-                          "glibc"),
+        "allocator": preloaded_allocator(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "numa_policy": ((plan or {}).get("placement") or {}).get("policy", "none"),
         "strategy": config.training.strategy,
