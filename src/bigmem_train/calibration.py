@@ -28,7 +28,7 @@ from typing import Any, Callable
 from .config import Config, load_config
 from .errors import BadInput
 from .host import preloaded_allocator
-from .planner import Calibration, breakdown_for, calibration_path_for_user, layer_table
+from .planner import MODEL_VERSION, Calibration, breakdown_for, calibration_path_for_user, layer_table
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
 # 8 and 16 filters, depths 3..4, peaks from 0.9 to about 2.7 GiB. The two larger jobs are there because
@@ -252,6 +252,7 @@ def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
 def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict[str, Any]:
     """The calibration file's content."""
     return {
+        "model": MODEL_VERSION,
         "runtime_baseline_bytes": calibration.runtime_baseline_bytes,
         "activation_factor": calibration.activation_factor,
         "workspace_factor": calibration.workspace_factor,

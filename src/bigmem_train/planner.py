@@ -221,6 +221,17 @@ class Calibration:
 
 PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
 
+# The memory model a calibration file's constants were fitted for (its "model" key): 1 had a workspace
+# factor and no activation factor, 2 the activation factor, 3 also counts oneDNN's backward-weights
+# scratchpad (``onednn_scratchpad_bytes``), which model 2's activation factor had absorbed.
+MODEL_VERSION = 3
+
+
+def _model_version(data: dict[str, Any]) -> int:
+    if "activation_factor" not in data:
+        return 1
+    return int(data.get("model", 2))
+
 
 def calibration_path_for_user() -> Path:
     return cache_dir() / "calibration.json"
@@ -229,8 +240,8 @@ def calibration_path_for_user() -> Path:
 def load_calibration() -> Calibration:
     """$BIGMEM_CALIBRATION, else the user's ``~/.cache/bigmem-train/calibration.json``, else the packaged file.
 
-    A file without ``activation_factor`` was written by ``plan --calibrate`` for the planner's earlier
-    model (its workspace factor scaled a per-sample column buffer under every runtime): it is passed
+    A file written by ``plan --calibrate`` for one of the planner's earlier models (``MODEL_VERSION``:
+    without ``activation_factor``, or with a factor that also absorbed oneDNN's scratchpad) is passed
     over, and named in ``skipped`` so the plan can say so.
     """
     candidates = []
@@ -243,7 +254,7 @@ def load_calibration() -> Calibration:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if "activation_factor" not in data:
+        if not isinstance(data, dict) or _model_version(data) < MODEL_VERSION:
             skipped.append(str(path))
             continue
         return Calibration(
@@ -476,6 +487,48 @@ def workspace_reference_bytes(table: list[dict[str, Any]], batch: int, shape: tu
     return largest
 
 
+# oneDNN's gemm-based backward-weights convolution (x64:gemm:jit, chosen for every 3x3x3 Conv3D with
+# channels-last data) books its scratchpad per thread: a transposed copy of one input sample and the
+# im2col matrix of one output depth slice (gemm_convolution_utils.cpp, init_conf, nspc bwd_w). It runs
+# on one thread unless the slice is small (output rows per thread < 256) and the batch has more than
+# one sample, and only then if the threads' copies stay under oneDNN's scratchpad limit (1 GiB).
+ONEDNN_OUTER_THREADING_ROWS = 256
+ONEDNN_SCRATCHPAD_LIMIT = 1 << 30
+
+
+def onednn_scratchpad_bytes(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
+                            threads: int = 1) -> int:
+    """The largest scratchpad oneDNN's Conv3D backward-weights kernel books for this model: one input
+    sample of the convolution (transposed) + its im2col matrix for one output depth slice (kernel volume
+    x input channels x output H x W), in the kernel's dtype; times the threads when oneDNN threads the
+    kernel over the batch.
+
+    oneDNN keeps a primitive's scratchpad in a per-thread global buffer that grows to the largest one it
+    has seen and lives as long as the cached primitives: it is held through the rest of the run (measured
+    on single ops, ``benchmarks/planner_conv_scratchpad.py``: 160x152x104, 16 -> 8 channels, batch 1
+    rises by 191 MiB, the formula gives 180 MiB + the kernel's own ~11 MiB). Convolutions with a 1x1x1
+    kernel and transposed convolutions use other kernels (a few MiB).
+    """
+    rows = {row["name"]: row for row in table}
+    largest = 0
+    for row in table:
+        kernel = math.prod(row.get("kernel_size") or [1])
+        if row["kind"] != "Conv3D" or kernel <= 1 or not row["inputs"]:
+            continue
+        producer = rows[row["inputs"][0]]
+        itemsize = DTYPE_BYTES.get(row["kernel_dtype"], 4)
+        sample_input = _elements(producer, 1, shape)
+        depth = shape[0] // row["divisor"][0]
+        slice_outputs = _elements(row, 1, shape) // row["channels"] // depth
+        per_thread = (sample_input + kernel * producer["channels"] * slice_outputs) * itemsize
+        copies = 1
+        if batch > 1 and threads > 1 and slice_outputs // threads < ONEDNN_OUTER_THREADING_ROWS \
+                and threads * per_thread < ONEDNN_SCRATCHPAD_LIMIT:
+            copies = threads
+        largest = max(largest, copies * per_thread)
+    return largest
+
+
 def backward_concurrency(config: Config) -> int:
     """Column buffers alive at once: 1 with one inter-op thread (train.choose_threads' default); with more,
     a convolution's input-gradient and filter-gradient kernels run side by side, each with its own."""
@@ -499,10 +552,15 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     # The transient part of the peak: activation gradients (and a rebuilt block) alive with the kept
     # tensors at the backward peak, and, with TensorFlow's own Conv3D kernels, their per-sample column
     # buffer (oneDNN's kernels build none: docs/planner.md).
-    column_buffers = 0
-    if not config.runtime.onednn:
+    # Under oneDNN: the largest backward-weights scratchpad, which oneDNN holds from its first use on.
+    column_buffers = scratchpad = 0
+    if config.runtime.onednn:
+        scratchpad = onednn_scratchpad_bytes(table, batch, shape,
+                                             config.runtime.intra_op_threads or os.cpu_count() or 1)
+    else:
         column_buffers = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
-    workspace = int(factor * live) - activations + int(calibration.workspace_factor * column_buffers)
+    workspace = (int(factor * live) - activations + int(calibration.workspace_factor * column_buffers)
+                 + scratchpad)
     return {
         "weights": weights,
         "gradients": gradients,

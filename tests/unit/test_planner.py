@@ -1,6 +1,7 @@
 """The planner: memory model rules, sizing to a target, NUMA placement on recorded hosts (no TensorFlow)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -281,8 +282,38 @@ def test_the_column_buffer_counts_only_with_tensorflows_own_kernels(tables):
     eigen = planner.estimate(study(**{"runtime.onednn": False}), calibration)
     table = planner.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
     column = planner.workspace_reference_bytes(table, 16, (240, 240, 144))
-    assert eigen["workspace"] - onednn["workspace"] == column
+    scratchpad = planner.onednn_scratchpad_bytes(table, 16, (240, 240, 144), threads=os.cpu_count() or 1)
+    assert eigen["workspace"] - onednn["workspace"] == column - scratchpad
     assert column > 25 * GIB  # 27 x 32 channels x 4 B per voxel of one 240x240x144 sample
+    # oneDNN's scratchpad instead: one sample of that convolution's input + one depth slice's patches.
+    assert scratchpad == (240 * 240 * 144 * 32 + 27 * 32 * 240 * 144) * 4
+
+
+def test_onednn_scratchpad_is_one_input_sample_and_one_slice_of_patches():
+    table = recorded_table("unet_depth3_filters8_float32")
+    # The first convolution of the top up block reads the 16-channel concatenation at full resolution:
+    # measured on that op alone (Conv3DBackpropFilterV2, 160x152x104, 16 -> 8 channels) +191 MiB.
+    expected = (160 * 152 * 104 * 16 + 27 * 16 * 152 * 104) * 4
+    assert planner.onednn_scratchpad_bytes(table, 1, (160, 152, 104)) == expected
+    assert 180 * 2**20 < expected < 181 * 2**20
+    # Per sample, not per batch (oneDNN walks the batch one sample at a time on one thread) ...
+    assert planner.onednn_scratchpad_bytes(table, 4, (160, 152, 104), threads=2) == expected
+    # ... unless the slices are small and the batch has several samples: then one copy per thread, as
+    # long as the copies stay under oneDNN's 1 GiB scratchpad limit (measured with 2 threads: 1024x16x16,
+    # 32 channels: +44 MiB at batch 1, +77 MiB at batch 2 and 4; 1024x32x32 at batch 2: one copy).
+    one_conv = [
+        {"name": "volume", "kind": "InputLayer", "inputs": [], "divisor": [1, 1, 1], "channels": 32,
+         "dtype": "float32", "kernel_dtype": "float32", "kernel_size": []},
+        {"name": "conv", "kind": "Conv3D", "inputs": ["volume"], "divisor": [1, 1, 1], "channels": 32,
+         "dtype": "float32", "kernel_dtype": "float32", "kernel_size": [3, 3, 3]},
+    ]
+    single = (1024 * 16 * 16 * 32 + 27 * 32 * 16 * 16) * 4  # 32.8 MiB
+    assert planner.onednn_scratchpad_bytes(one_conv, 1, (1024, 16, 16), threads=2) == single
+    assert planner.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=2) == 2 * single
+    assert planner.onednn_scratchpad_bytes(one_conv, 4, (1024, 16, 16), threads=2) == 2 * single
+    assert planner.onednn_scratchpad_bytes(one_conv, 2, (1024, 32, 32), threads=2) == \
+        (1024 * 32 * 32 * 32 + 27 * 32 * 32 * 32) * 4  # 512 rows per thread: one copy
+    assert planner.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=64) == single  # > 1 GiB
 
 
 def test_a_negative_slope_is_pinned_to_zero(tables):
@@ -339,11 +370,12 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
     assert planner.load_calibration().source in {str(planner.PACKAGED_CALIBRATION), Calibration().source}
     user.mkdir()
-    (user / "calibration.json").write_text(json.dumps({"runtime_baseline_bytes": 1, "activation_factor": 1.2,
-                                                       "workspace_factor": 2.0}))
+    (user / "calibration.json").write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 1,
+                                                       "activation_factor": 1.2, "workspace_factor": 2.0}))
     assert planner.load_calibration().workspace_factor == 2.0
     override = tmp_path / "mine.json"
-    override.write_text(json.dumps({"runtime_baseline_bytes": 5, "activation_factor": 1.2, "workspace_factor": 3.0}))
+    override.write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 5, "activation_factor": 1.2,
+                                    "workspace_factor": 3.0}))
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
     assert planner.load_calibration().runtime_baseline_bytes == 5
     assert planner.load_calibration().skipped == []
@@ -361,3 +393,9 @@ def test_a_calibration_file_of_the_earlier_model_is_passed_over_and_named(tmp_pa
     assert calibration.source != str(old) and calibration.skipped == [str(old)]
     warning = calibration.warning(study())
     assert str(old) in warning and "--calibrate" in warning
+    # Model 2 (an activation factor that also absorbed oneDNN's scratchpad, no "model" key): passed over.
+    old.write_text(json.dumps({"runtime_baseline_bytes": 1, "activation_factor": 1.36, "workspace_factor": 1.0}))
+    assert planner.load_calibration().skipped == [str(old)]
+    old.write_text(json.dumps({"model": planner.MODEL_VERSION, "runtime_baseline_bytes": 1,
+                               "activation_factor": 1.27, "workspace_factor": 1.0}))
+    assert planner.load_calibration().source == str(old)
