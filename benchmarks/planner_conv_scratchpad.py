@@ -97,8 +97,8 @@ def main() -> int:
         rises = json.loads(result.stdout.strip().splitlines()[-1])["rise_MiB"]
         formula = formula_bytes(case) / MiB
         batch, depth, height, width, cin, cout = case
-        print(f"| {batch}x{depth}x{height}x{width}, {cin} -> {cout} | {rises[0]:.0f} | {rises[1]:.0f}, {rises[2]:.0f} "
-              f"| {formula:.1f} | {rises[0] - formula:+.1f} |", flush=True)
+        print(f"| {batch}x{depth}x{height}x{width}, {cin} -> {cout} | {rises[0]:.0f} "
+              f"| {rises[1]:.0f}, {rises[2]:.0f} | {formula:.1f} | {rises[0] - formula:+.1f} |", flush=True)
     return 0
 
 

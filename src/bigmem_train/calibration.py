@@ -9,9 +9,10 @@ allocator it really ran on and, under tcmalloc, the heap counters. One config pe
 of one run inflates the next.
 
 ``calibrate()`` measures small jobs and fits, by least squares, measured - (weights, gradients, Adam
-slots, input) = runtime baseline + activation factor x (tensors alive at the backward peak) [+ workspace
-factor x one sample's largest patch matrix, with oneDNN off]; it writes the constants and the runtime they were
-measured under to ``~/.cache/bigmem-train/calibration.json`` (or ``$BIGMEM_CALIBRATION``).
+slots, input, oneDNN's backward-weights scratchpad) = runtime baseline + activation factor x (tensors
+alive at the backward peak) [+ workspace factor x one sample's largest patch matrix, with oneDNN off]; it
+writes the constants, the model they belong to and the runtime they were measured under to
+``~/.cache/bigmem-train/calibration.json`` (or ``$BIGMEM_CALIBRATION``).
 """
 
 from __future__ import annotations
@@ -204,9 +205,9 @@ def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 
 def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
-    """Least squares of measured - (weights, gradients, slots, input) = baseline + activation factor x
-    (tensors alive at the backward peak) [+ workspace factor x one sample's largest patch matrix, with
-    TensorFlow's own Conv3D kernels only].
+    """Least squares of measured - (weights, gradients, slots, input, oneDNN scratchpad) = baseline +
+    activation factor x (tensors alive at the backward peak) [+ workspace factor x one sample's largest
+    patch matrix, with TensorFlow's own Conv3D kernels only].
 
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).
