@@ -1,0 +1,106 @@
+"""The preflight role sizes a multi-worker job per host: each host of bigmem_train_group holds its share
+of the global batch, so a job whose global batch would not fit one host passes when its share does, and
+the same batch as a single-node job is refused. Two inventory hosts that are both this machine
+(ansible_connection=local); the role asks the kit's planner on the controller, with each host's
+TF_CONFIG rendered from templates/tf_config.json.j2. Nothing is trained."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from bigmem_train import planner
+from bigmem_train.config import config_from_dict
+from bigmem_train.host import read_host_facts
+from bigmem_train.render import host_variables, render
+
+REPO = Path(__file__).resolve().parents[2]
+ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+MARGIN = 0.10
+
+PLAYBOOK = """\
+- name: Check the hosts against the job
+  hosts: workers
+  gather_facts: true
+  roles:
+    - role: bigmem_preflight
+"""
+
+
+def memtotal_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no MemTotal in /proc/meminfo")
+
+
+def planned_peak(job: dict) -> int:
+    """The planner's peak for the job as templates/train.yaml.j2 renders it, as one process."""
+    text = render("train.yaml.j2", {**host_variables(read_host_facts()), **job})
+    return sum(planner.estimate(config_from_dict(yaml.safe_load(text), source="rendered train.yaml.j2")).values())
+
+
+def job_that_fits_only_when_split() -> tuple[dict, int, int]:
+    """A job (the study's net at a 160x160x128 tile) and an even global batch whose plan does not fit this
+    host with the margin, while half of it fits with room to spare (whatever this machine's memory)."""
+    usable = memtotal_bytes() * (1 - MARGIN)
+    base = {"input_shape": [160, 160, 128], "synthetic_shape": [176, 176, 136], "base_filters": 16, "depth": 4,
+            "epochs": 1}
+    for batch in range(2, 129, 2):
+        whole = planned_peak({**base, "batch_size": batch})
+        if whole > usable:
+            half = planned_peak({**base, "batch_size": batch // 2})
+            assert half < 0.95 * usable, f"batch {batch}: half the job ({half} B) does not fit {usable} B either"
+            return {**base, "batch_size": batch}, whole, half
+    raise AssertionError(f"no batch up to 128 passes {usable} B")
+
+
+def run_play(folder: Path, job: dict) -> subprocess.CompletedProcess:
+    lines = ["[workers]", "w0 bigmem_train_worker_port=23456", "w1 bigmem_train_worker_port=23457", "",
+             "[workers:vars]", "ansible_connection=local", f"ansible_python_interpreter={sys.executable}",
+             "ansible_become=false", "bigmem_train_worker_address=127.0.0.1"]
+    (folder / "inventory.ini").write_text("\n".join(lines) + "\n")
+    (folder / "preflight.yml").write_text(PLAYBOOK)
+    extra = {
+        "bigmem_train_group": "workers",
+        "bigmem_train_job": job,
+        "bigmem_train_templates_dir": str(REPO / "templates"),
+        "bigmem_train_safety_margin": MARGIN,
+        "bigmem_hugepages_count": 0,
+        "bigmem_preflight_check_os": False,
+        "bigmem_os_tuning_enabled": False,
+        "bigmem_docker_engine_enabled": False,
+        "bigmem_image_enabled": False,
+    }
+    (folder / "extra.json").write_text(json.dumps(extra))
+    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible" / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0",
+               ANSIBLE_ROLES_PATH=str(REPO / "ansible" / "roles"))
+    env.pop("TF_CONFIG", None)
+    return subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(folder / "inventory.ini"), str(folder / "preflight.yml"),
+                           "-e", f"@{folder / 'extra.json'}"], cwd=REPO / "ansible", env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_preflight_plans_a_multi_worker_job_per_host(tmp_path: Path):
+    job, whole, half = job_that_fits_only_when_split()
+
+    split = run_play(tmp_path, {**job, "strategy": "multi_worker"})
+    assert split.returncode == 0, split.stdout[-3000:] + split.stderr[-2000:]
+    text = " ".join(split.stdout.split())  # the YAML callback folds long messages
+    # Each host's check names its share: the peak of half the batch, two workers.
+    assert text.count(f"per host: 2 workers, batch {job['batch_size'] // 2} each") == 2, split.stdout[-3000:]
+    checked = [float(value) for value in re.findall(r": job ([0-9.]+) GiB \(the planned peak", text)]
+    assert len(checked) == 2 and all(abs(value * 2**30 - half) < 0.01 * half for value in checked), checked
+    assert whole > half * 1.8
+
+    single = run_play(tmp_path, job)
+    assert single.returncode != 0
+    text = " ".join(single.stdout.split())
+    assert "the planned peak of bigmem_train_job" in text and "safety margin" in text, single.stdout[-3000:]
+    assert "per host" not in text
