@@ -550,9 +550,8 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     factor = calibration.activation_factor
     activations = int(factor * kept)
     # The transient part of the peak: activation gradients (and a rebuilt block) alive with the kept
-    # tensors at the backward peak, and, with TensorFlow's own Conv3D kernels, their per-sample column
-    # buffer (oneDNN's kernels build none: docs/planner.md).
-    # Under oneDNN: the largest backward-weights scratchpad, which oneDNN holds from its first use on.
+    # tensors at the backward peak; with TensorFlow's own Conv3D kernels their per-sample column buffer,
+    # under oneDNN the largest backward-weights scratchpad, held from its first use on (docs/planner.md).
     column_buffers = scratchpad = 0
     if config.runtime.onednn:
         scratchpad = onednn_scratchpad_bytes(table, batch, shape,

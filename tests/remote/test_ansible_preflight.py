@@ -33,13 +33,6 @@ PLAYBOOK = """\
 """
 
 
-def memtotal_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no MemTotal in /proc/meminfo")
-
-
 def planned_peak(job: dict) -> int:
     """The planner's peak for the job as templates/train.yaml.j2 renders it, as one process."""
     text = render("train.yaml.j2", {**host_variables(read_host_facts()), **job})
@@ -49,7 +42,7 @@ def planned_peak(job: dict) -> int:
 def job_that_fits_only_when_split() -> tuple[dict, int, int]:
     """A job (the study's net at a 160x160x128 tile) and an even global batch whose plan does not fit this
     host with the margin, while half of it fits with room to spare (whatever this machine's memory)."""
-    usable = memtotal_bytes() * (1 - MARGIN)
+    usable = read_host_facts().memory_total_bytes * (1 - MARGIN)
     base = {"input_shape": [160, 160, 128], "synthetic_shape": [176, 176, 136], "base_filters": 16, "depth": 4,
             "epochs": 1}
     for batch in range(2, 129, 2):
