@@ -84,12 +84,37 @@ def _load_header(path: Path) -> nib.Nifti1Image:
 
 
 def _geometry(path: Path, image: nib.Nifti1Image) -> tuple[tuple[int, int, int], int]:
+    """The image's spatial shape and channel count: (X,Y,Z), (X,Y,Z,C) as the Decathlon writes it, or
+    (X,Y,Z,1,C), the NIfTI standard's place for the components of one volume (dim 5, time 1)."""
     shape = tuple(int(edge) for edge in image.shape)
     if len(shape) == 3:
-        return shape, 1
-    if len(shape) == 4:
-        return shape[:3], shape[3]
-    raise BadInput(f"{path}: image is {len(shape)}D {list(shape)}; expected 3D (X,Y,Z) or 4D (X,Y,Z,channels)")
+        spatial, channels = shape, 1
+    elif len(shape) == 4:
+        spatial, channels = shape[:3], shape[3]
+    elif len(shape) == 5 and shape[3] == 1:
+        spatial, channels = shape[:3], shape[4]
+    else:
+        raise BadInput(f"{path}: image is {len(shape)}D {list(shape)}; expected 3D (X,Y,Z), 4D (X,Y,Z,channels) "
+                       f"or 5D (X,Y,Z,1,channels)")
+    if min(shape) < 1:
+        raise BadInput(f"{path}: image shape {list(shape)} has an empty axis")
+    return spatial, channels
+
+
+def _leading_index(image: nib.Nifti1Image) -> tuple[int, ...]:
+    """Index of the singleton axes between the spatial ones and the channels (5D: the time axis)."""
+    return (0,) if len(image.shape) == 5 else ()
+
+
+def _orientation(image: nib.Nifti1Image) -> str | None:
+    """The voxel axes' orientation (e.g. 'RAS'), or None when the header states none (both codes 0)."""
+    header = image.header
+    try:
+        if int(header["sform_code"]) == 0 and int(header["qform_code"]) == 0:
+            return None
+        return "".join(nib.aff2axcodes(image.affine))
+    except (KeyError, ValueError, TypeError):
+        return None
 
 
 def read_index(dataset_dir: Path) -> list[Case]:
@@ -126,21 +151,39 @@ def read_index(dataset_dir: Path) -> list[Case]:
 
 
 def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
-    """Raise unless the file holds all the data its header announces (a .nii.gz is streamed, not held)."""
+    """Raise unless the file holds all the data its header announces and, for floating-point data, no
+    value is NaN or infinite. The file is streamed in chunks (a .nii.gz is decompressed, not held), so
+    memory stays at one chunk whatever the volume; an integer .nii is only measured."""
     # The proxy's offset is where the data really starts (the header field may say 0 for a .nii).
     offset = int(getattr(image.dataobj, "offset", image.header.get_data_offset()))
-    expected = offset + int(np.prod(image.shape)) * image.header.get_data_dtype().itemsize
-    if path.name.endswith(".gz"):
-        total = 0
+    dtype = image.header.get_data_dtype()
+    data_bytes = int(np.prod(image.shape)) * dtype.itemsize
+    expected = offset + data_bytes
+    scan_values = dtype.kind == "f"
+    compressed = path.name.endswith(".gz")
+    if not compressed and not scan_values:
+        total = path.stat().st_size
+    else:
+        total = nonfinite = 0
+        carry = b""
         buffer = bytearray(_STREAM_CHUNK_BYTES)
         try:
-            with gzip.open(path, "rb") as stream:
+            with (gzip.open(path, "rb") if compressed else open(path, "rb")) as stream:
                 while read := stream.readinto(buffer):
+                    if scan_values:
+                        start, end = max(offset - total, 0), min(expected - total, read)
+                        if start < end:
+                            piece = carry + bytes(buffer[start:end])
+                            whole = len(piece) - len(piece) % dtype.itemsize
+                            values = np.frombuffer(piece, dtype=dtype, count=whole // dtype.itemsize)
+                            nonfinite += values.size - int(np.count_nonzero(np.isfinite(values)))
+                            carry = piece[whole:]
                     total += read
         except (EOFError, OSError, zlib.error) as error:
-            raise BadInput(f"{path}: corrupt or truncated gzip stream ({error})") from None
-    else:
-        total = path.stat().st_size
+            raise BadInput(f"{path}: corrupt or truncated {'gzip stream' if compressed else 'file'} ({error})") from None
+        if total >= expected and nonfinite:
+            raise BadInput(f"{path}: {nonfinite} of {data_bytes // dtype.itemsize} voxel values are NaN or infinite; "
+                           f"replace them (e.g. with 0, the background) before training")
     if total < expected:
         raise BadInput(f"{path}: truncated: {total} bytes of data, the header needs {expected}")
 
@@ -152,13 +195,17 @@ def _check_case(case: Case, config: Config) -> None:
     if not (np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating)):
         raise BadInput(f"{case.image}: image data type {dtype} is not a real number type")
     label_shape = tuple(int(edge) for edge in label.shape)
-    if len(label_shape) == 4 and label_shape[3] == 1:
+    if len(label_shape) > 3 and all(edge == 1 for edge in label_shape[3:]):
         label_shape = label_shape[:3]
     if len(label_shape) != 3:
         raise BadInput(f"{case.label}: label is {len(label_shape)}D {list(label_shape)}; expected 3D (X,Y,Z)")
     if label_shape != case.shape:
         raise BadInput(f"{case.label}: label shape {list(label_shape)} differs from the image's spatial shape "
                        f"{list(case.shape)} ({case.image})")
+    image_orientation, label_orientation = _orientation(image), _orientation(label)
+    if image_orientation and label_orientation and image_orientation != label_orientation:
+        raise BadInput(f"{case.label}: voxel axes are oriented {label_orientation} but the image's are "
+                       f"{image_orientation} ({case.image}); resample the label onto the image's grid")
     channels = config.data.channels
     if channels == "all":
         if case.channels != config.num_channels:
@@ -264,10 +311,13 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
         else:
             # One read covering the wanted channels: a .nii.gz decompresses only up to the last of them.
             first, last = min(selection), max(selection)
-            volume = np.asanyarray(image_file.dataobj[(*source_slices, slice(first, last + 1))])
+            volume = np.asanyarray(
+                image_file.dataobj[(*source_slices, *_leading_index(image_file), slice(first, last + 1))])
             selection = [index - first for index in selection]
     except _READ_ERRORS as error:
         raise BadInput(f"{case.image}: cannot be read ({error})") from None
+    if volume.dtype.kind == "f" and not np.isfinite(volume).all():
+        raise BadInput(f"{case.image}: holds NaN or infinite values; replace them (e.g. with 0) before training")
     if volume.shape[-1] <= max(selection):
         raise BadInput(f"{case.image}: has too few channels for data.channels {config.data.channels}")
     image = np.zeros((*target, len(selection)), dtype=np.float32)
@@ -278,7 +328,7 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
 
     label_file = _load_header(case.label)
     try:
-        label_slices = source_slices if len(label_file.shape) == 3 else (*source_slices, 0)
+        label_slices = (*source_slices, *([0] * (len(label_file.shape) - 3)))
         values = np.asanyarray(label_file.dataobj[label_slices])
         if not np.issubdtype(values.dtype, np.integer):
             values = np.rint(values)

@@ -117,6 +117,81 @@ def test_corrupt_file_at_read_time_names_the_path(tmp_path):
     assert_bad_input(lambda: prepare_case(case, config, np.random.default_rng(0)), case.image)
 
 
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("suffix", [".nii.gz", ".nii"])
+def test_non_finite_image_values_are_refused_at_check_time(tmp_path, value, suffix):
+    image, label = phantom()
+    image[3, 4, 5, 2] = value
+    image[9, 9, 9, :] = value
+    folder = tmp_path / "d"
+    save_nifti(image, folder / f"image{suffix}")
+    save_nifti(label, folder / f"label{suffix}")
+    (folder / "dataset.json").write_text(json.dumps({"training": [{"image": f"image{suffix}",
+                                                                   "label": f"label{suffix}"}]}))
+    with pytest.raises(BadInput, match=r"5 of 12288 voxel values are NaN or infinite") as caught:
+        check_dataset(small_config(folder))
+    assert str(folder / f"image{suffix}") in str(caught.value)
+    # A file changed after the check is caught when it is read, too.
+    case = read_index(folder)[0]
+    assert_bad_input(lambda: prepare_case(case, small_config(channels="all")), case.image)
+
+
+def test_non_finite_scan_spans_chunks(tmp_path, monkeypatch):
+    """Values cut by a chunk boundary are reassembled: one NaN in the last voxel, chunks of 999 bytes."""
+    import bigmem_train.data as data_module
+
+    monkeypatch.setattr(data_module, "_STREAM_CHUNK_BYTES", 999)
+    image, label = phantom()
+    folder = write_dataset(tmp_path / "d", [(image, label)])
+    check_dataset(small_config(folder))  # clean: every float is read whole although chunks split them
+    image[-1, -1, -1, -1] = np.nan
+    folder = write_dataset(tmp_path / "e", [(image, label)])
+    with pytest.raises(BadInput, match=r"1 of 12288 voxel values"):
+        check_dataset(small_config(folder))
+
+
+def test_five_dimensional_image_with_channels_in_dim5(tmp_path):
+    """NIfTI's own layout for the components of one volume: (X, Y, Z, 1, C)."""
+    image, label = phantom()
+    case = one_case(tmp_path, image[:, :, :, None, :], label[..., None, None])
+    assert case.shape == (16, 16, 12) and case.channels == 4
+    check_dataset(small_config(case.image.parents[1], channels="all"))
+    loaded, loaded_label = prepare_case(case, small_config(channels=[3, 1]), normalize=False)
+    np.testing.assert_array_equal(loaded, image[..., [3, 1]])
+    np.testing.assert_array_equal(loaded_label[..., 0], label > 0)
+
+
+@pytest.mark.parametrize("shape", [(16, 16, 12, 2, 4), (16, 16, 12, 1, 1, 4)])
+def test_other_higher_dimensional_images_are_refused(tmp_path, shape):
+    case_image = np.zeros(shape, np.float32)
+    folder = write_dataset(tmp_path / "d", [(case_image, np.zeros((16, 16, 12), np.uint8))])
+    assert_bad_input(lambda: read_index(folder), folder / "imagesTr" / "CASE_001.nii.gz")
+
+
+def test_empty_axis_is_refused(tmp_path):
+    folder = write_dataset(tmp_path / "d", [(np.zeros((16, 16, 0, 4), np.float32), np.zeros((16, 16, 0), np.uint8))])
+    with pytest.raises(BadInput, match="has an empty axis"):
+        read_index(folder)
+
+
+def test_label_oriented_differently_from_the_image_is_refused(tmp_path):
+    image, label = phantom()
+    folder = tmp_path / "d"
+    folder.mkdir()
+    nib.save(nib.Nifti1Image(image, np.eye(4)), folder / "image.nii.gz")
+    nib.save(nib.Nifti1Image(label, np.diag([-1.0, 1.0, 1.0, 1.0])), folder / "label.nii.gz")
+    (folder / "dataset.json").write_text(json.dumps({"training": [{"image": "image.nii.gz", "label": "label.nii.gz"}]}))
+    with pytest.raises(BadInput, match=r"oriented LAS but the image's are RAS") as caught:
+        check_dataset(small_config(folder))
+    assert str(folder / "label.nii.gz") in str(caught.value)
+    # A label whose header states no orientation (sform and qform codes 0) is not compared.
+    unoriented = nib.Nifti1Image(label, np.diag([-1.0, 1.0, 1.0, 1.0]))
+    unoriented.set_sform(None, code=0)
+    unoriented.set_qform(None, code=0)
+    nib.save(unoriented, folder / "label.nii.gz")
+    check_dataset(small_config(folder))
+
+
 # --- reading: dtypes, scaling, channels, labels ---------------------------------------------------
 
 def test_int16_with_scl_slope_and_inter(tmp_path):
