@@ -13,7 +13,9 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .config import Config, load_config, parse_override
+from pydantic import ValidationError
+
+from .config import Config, FootprintConfig, load_config, parse_override
 from .errors import EXIT_BAD_INPUT, BadInput, BigmemError
 
 PROG = "bigmem-train"
@@ -106,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _overrides(args: argparse.Namespace) -> dict:
     overrides = dict(parse_override(text) for text in getattr(args, "overrides", []))
     if getattr(args, "target", None):
+        # Checked here so the message names the flag, not the config file it overrides.
+        try:
+            FootprintConfig(target=args.target)
+        except ValidationError as error:
+            message = error.errors()[0]["msg"].removeprefix("Value error, ")
+            raise BadInput(f"--target {args.target}: {message}") from None
         overrides["footprint.target"] = args.target
     if getattr(args, "results", None):
         overrides["output.results_dir"] = args.results

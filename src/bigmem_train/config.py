@@ -160,9 +160,11 @@ class FootprintConfig(_Section):
         if value is not None:
             # Validate the syntax now; a percentage is resolved against the host later.
             try:
-                parse_size(value, host_total_bytes=1)
+                size = parse_size(value, host_total_bytes=1 << 40)
             except BadInput as error:
                 raise ValueError(str(error)) from None
+            if size <= 0:
+                raise ValueError(f"size {value!r}: a memory target must be more than 0 bytes")
         return value
 
 

@@ -822,6 +822,14 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         # The all-reduce packs the gradients into buffers of their size once more.
         breakdown["allreduce_buffers"] = breakdown["gradients"]
     peak = sum(breakdown.values())
+    if target is not None and peak > target * (1 + config.footprint.tolerance):
+        # Sizing fell back to the smallest job it may make, and even that misses the target: a run
+        # would train and then fail its footprint check, so the target is refused before any work.
+        shape = "x".join(map(str, sized.data.input_shape))
+        raise BadInput(
+            f"footprint.target {format_bytes(target)} is below the smallest job this config can be sized to "
+            f"(resize: {config.footprint.resize}): input {shape}, batch {sized.training.batch_size} is predicted "
+            f"at {format_bytes(peak)}; set a target of at least that")
     if host is not None:
         placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
     else:

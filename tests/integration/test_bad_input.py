@@ -33,7 +33,17 @@ def test_typo_in_config_is_refused_before_tensorflow(tmp_path):
 def test_unknown_flag_and_bad_override(tmp_path):
     assert bigmem("run", "--no-such-flag").returncode == 2
     assert_one_line_error(bigmem("run", "--set", "training.epochs=zero"), "training.epochs")
-    assert_one_line_error(bigmem("plan", "--target", "12 parsecs"), "footprint.target")
+    assert_one_line_error(bigmem("plan", "--target", "12 parsecs"), "--target 12 parsecs: size '12 parsecs' has an unknown unit 'parsecs'")
+    assert_one_line_error(bigmem("plan", "--target", "0"), "--target 0: size '0': a memory target must be more than 0")
+
+
+def test_unreachable_target_is_refused_before_the_run(tmp_path):
+    """The smallest job the default config can be sized to is far above 100 MiB: refused, nothing written."""
+    results = tmp_path / "results"
+    result = bigmem("run", "--target", "100MiB", "--results", results)
+    assert_one_line_error(result, "footprint.target 104857600 B (0.10 GiB) is below the smallest job")
+    assert not (list(results.iterdir()) if results.exists() else [])
+    assert_one_line_error(bigmem("plan", "--target", "100MiB"), "set a target of at least")
 
 
 def test_dataset_without_dataset_json(tmp_path):

@@ -8,6 +8,7 @@ import pytest
 
 from bigmem_train import planner
 from bigmem_train.config import load_config
+from bigmem_train.errors import BadInput
 from bigmem_train.host import read_host_facts
 from bigmem_train.planner import (
     BREAKDOWN_KEYS,
@@ -136,10 +137,16 @@ def test_share_of_host_target_uses_the_cgroup_limit(tables):
     assert plan.peak_bytes <= plan.target_bytes
 
 
-def test_target_below_the_smallest_job_gives_batch_one(tables):
-    plan = plan_job(study(**{"footprint.target": "1GiB", "footprint.resize": "batch"}), None, CALIBRATION)
+def test_target_below_the_smallest_job_is_refused_as_bad_input(tables):
+    """Batch 1 of the study's tile is far above 1 GiB: a run could only fail its footprint check."""
+    with pytest.raises(BadInput, match=r"footprint.target 1073741824 B \(1.00 GiB\) is below the smallest job "
+                                       r"this config can be sized to \(resize: batch\): input 240x240x144, batch 1"):
+        plan_job(study(**{"footprint.target": "1GiB", "footprint.resize": "batch"}), None, CALIBRATION)
+    # Within the tolerance of the smallest job's plan the target is accepted (and sized to batch 1).
+    smallest = plan_job(study(**{"training.batch_size": 1}), None, CALIBRATION).peak_bytes
+    reachable = f"{int(smallest / 1.09)}B"
+    plan = plan_job(study(**{"footprint.target": reachable, "footprint.resize": "batch"}), None, CALIBRATION)
     assert plan.config.training.batch_size == 1
-    assert plan.peak_bytes > plan.target_bytes  # preflight refuses it
 
 
 def test_plan_to_dict_has_bytes_and_gib(tables):
