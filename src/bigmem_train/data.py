@@ -6,7 +6,8 @@ Stages, each usable alone:
 - :func:`check_dataset` opens every image and label, checks shapes, channels, label values and that
   each file is complete (a ``.nii.gz`` is decompressed as a stream, never held), and fails with one
   line naming the file;
-- :func:`split_cases` makes the seeded train/validation split;
+- :func:`split_cases` makes the seeded train/validation split (:func:`balance_split` evens it for
+  several workers);
 - :func:`prepare_case` turns one case into the network's input (numpy only: channel selection,
   crop or pad, per-channel z-score over the brain, flips, binary or class labels);
 - :func:`make_datasets` wraps it in ``tf.data``: case indices -> shuffle -> parallel map -> batch ->
@@ -272,6 +273,34 @@ def split_cases(cases: list[Case], validation_fraction: float, seed: int) -> tup
             [case for index, case in enumerate(cases) if index in validation])
 
 
+def balance_split(train: list[Case], validation: list[Case], global_batch: int) -> tuple[list[Case], list[Case]]:
+    """Move cases between the sets so the validation set is whole global batches (multi-worker).
+
+    MultiWorkerMirroredStrategy splits every validation batch across the workers, and a partial last
+    batch would leave some worker an empty one. Rather than repeat cases to fill it (each repeat would
+    count twice in the validation metrics), the validation set takes the multiple of ``global_batch``
+    nearest its size (a tie goes up), at least one batch, and always leaves one training case: the last
+    training cases move to validation, or the last validation cases to training. Deterministic, so every
+    worker and every resumed session gets the same split. When no whole batch can be taken (fewer cases
+    than ``global_batch`` + 1) the sets are returned as they are and :func:`make_datasets` pads.
+    """
+    total = len(train) + len(validation)
+    if global_batch <= 1 or len(validation) % global_batch == 0 or total < global_batch + 1:
+        return train, validation
+    below = len(validation) // global_batch * global_batch
+    above = below + global_batch
+    wanted = above if (len(validation) - below >= above - len(validation) or below == 0) else below
+    if total - wanted < 1:
+        wanted = below
+    if wanted == 0:
+        return train, validation
+    if wanted > len(validation):
+        moved = len(validation) - wanted  # negative: from training
+        return train[:moved], validation + train[moved:]
+    moved = len(validation) - wanted
+    return train + validation[-moved:], validation[:-moved]
+
+
 def _placement(source: int, target: int, jitter: int, rng: np.random.Generator | None) -> tuple[int, int, int]:
     """(start in the volume, start in the output, length) along one axis: centred, shifted by jitter.
 
@@ -396,9 +425,10 @@ def make_datasets(config: Config, train_cases: list[Case], validation_cases: lis
     ``workers`` > 1 (MultiWorkerMirroredStrategy; ``training.batch_size`` is the global batch): a
     partial last validation batch would be split into per-worker batches of which some are empty, and
     the U-Net cannot run an empty batch (one worker fails, the others abort in the next all-reduce).
-    So the validation pass is filled up to whole global batches by repeating its first cases (at most
-    ``batch_size - 1`` repeats, the same ones every epoch, counted in ``validation_padding``): every
-    worker validates the same number of full batches and no case is left out.
+    The run evens the split first (:func:`balance_split`), so this only happens when the dataset has no
+    more cases than one global batch: then the validation pass is filled up to whole global batches by
+    repeating its first cases (at most ``batch_size - 1`` repeats, the same ones every epoch, counted in
+    ``validation_padding``): every worker validates the same number of full batches.
     """
     import tensorflow as tf
 

@@ -172,12 +172,15 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
                   f"{numactl}", flush=True)
             os.execvpe(command[0], command, environment)
 
-    from .data import check_dataset, split_cases
+    from .data import balance_split, check_dataset, split_cases
+    from .distribute import planned_workers
 
     if config.data.source == "synthetic":
         config = config.model_copy(update={"data": config.data.model_copy(update={"path": _synthetic_dataset(config)})})
     cases = check_dataset(config)
     train_cases, validation_cases = split_cases(cases, config.data.validation_fraction, config.data.split_seed)
+    if planned_workers(config) > 1:
+        train_cases, validation_cases = balance_split(train_cases, validation_cases, config.training.batch_size)
 
     run_dir, resuming = prepare_run_dir(config)
     print(f"bigmem-train: run directory {run_dir}", flush=True)

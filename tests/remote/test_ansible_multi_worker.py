@@ -31,7 +31,7 @@ ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 UID = 10001
 
 # The tiny U-Net of the loopback test, rendered through templates/train.yaml.j2 like any Ansible job:
-# 12 cases, 9 training (4 steps an epoch at global batch 2, 1 sample per worker), 3 validation (uneven).
+# 12 cases: the split gives 9 training and 3 validation, evened to 8 and 4 (whole global batches of 2).
 JOB = {
     "strategy": "multi_worker",
     "synthetic_cases": 12,
@@ -147,7 +147,9 @@ def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_
         metrics = json.loads((run_dir / "metrics.json").read_text())
         assert metrics["strategy"] == "multi_worker" and metrics["workers"] == 2
         assert metrics["epochs_completed"] == JOB["epochs"] and metrics["steps"] == 4 * JOB["epochs"]
-        assert (metrics["validation_cases"], metrics["validation_padded_samples"]) == (3, 1)
+        assert (metrics["validation_cases"], metrics["validation_padded_samples"]) == (4, 0)  # 3 evened to 4
+        split = json.loads((run_dir / "split.json").read_text())
+        assert (len(split["train"]), len(split["validation"])) == (8, 4)
     assert_trained_in_lockstep(chief, worker)
 
     metrics_before = json.loads((chief / "metrics.json").read_text())["train_seconds_this_session"]

@@ -45,7 +45,7 @@ def test_two_workers_train_in_lockstep(tmp_path):
     groups = {"workers": ["w0", "w1"]}
     hostvars = {name: {"ansible_host": "127.0.0.1", "bigmem_train_worker_port": port}
                 for name, port in zip(groups["workers"], ports)}
-    # 12 cases: 9 training (4 steps an epoch at batch 2), 3 validation (an uneven split).
+    # 12 cases: the split gives 9 training, 3 validation; evened to 8 and 4 for two workers (batch 2).
     config = write_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
     processes = []
     for index, name in enumerate(groups["workers"]):
@@ -77,8 +77,11 @@ def test_two_workers_train_in_lockstep(tmp_path):
         assert json.loads((run / "state.json").read_text())["state"] == "finished"
         metrics = json.loads((run / "metrics.json").read_text())
         assert metrics["strategy"] == "multi_worker" and metrics["workers"] == 2
-        # Every validation case is seen; one is repeated to fill the last global batch.
-        assert (metrics["validation_cases"], metrics["validation_padded_samples"]) == (3, 1)
+        # The split's 3 validation cases became 4 (one training case moved over): whole global batches,
+        # nothing repeated, the same split on both workers.
+        assert (metrics["validation_cases"], metrics["validation_padded_samples"]) == (4, 0)
+        split = json.loads((run / "split.json").read_text())
+        assert (len(split["train"]), len(split["validation"])) == (8, 4)
     assert_trained_in_lockstep(chief, worker)
     # The weights moved: this was training, not two copies of the initial model.
     initial_loss = json.loads((chief / "metrics.json").read_text())["initial_loss"]
