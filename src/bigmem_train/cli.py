@@ -12,9 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__
 from pydantic import ValidationError
 
+from . import __version__
 from .config import Config, FootprintConfig, load_config, parse_override
 from .errors import EXIT_BAD_INPUT, BadInput, BigmemError
 

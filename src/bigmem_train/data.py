@@ -295,10 +295,10 @@ def balance_split(train: list[Case], validation: list[Case], global_batch: int) 
     if wanted == 0:
         return train, validation
     if wanted > len(validation):
-        moved = len(validation) - wanted  # negative: from training
-        return train[:moved], validation + train[moved:]
-    moved = len(validation) - wanted
-    return train + validation[-moved:], validation[:-moved]
+        missing = wanted - len(validation)
+        return train[:-missing], validation + train[-missing:]
+    surplus = len(validation) - wanted
+    return train + validation[-surplus:], validation[:-surplus]
 
 
 def _placement(source: int, target: int, jitter: int, rng: np.random.Generator | None) -> tuple[int, int, int]:
