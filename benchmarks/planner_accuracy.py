@@ -1,6 +1,6 @@
 """Planner accuracy: predicted vs measured peak resident memory over a sweep of small training jobs.
 
-Each job runs in its own process (``bigmem_train.calibration.measure_peak``) under the runtime a real
+Each job runs in its own process (``bigmem_train.memory.calibrate.measure_peak``) under the runtime a real
 ``bigmem-train run`` has (oneDNN switch, the configured allocator preloaded, the run's threads): the
 configured U-Net built by ``model.compile_model``, ``model.fit`` for a few steps on random data of the
 right shape; the child reports its peak RSS (VmHWM). The planner predicts the same job (its input
@@ -14,7 +14,7 @@ job off by more than 6 %.
 
     python benchmarks/planner_accuracy.py                 # measure the sweep (about 25 min on 2 cores)
     python benchmarks/planner_accuracy.py --predict-only  # re-predict stored measurements
-    python benchmarks/planner_accuracy.py --fit-calibration src/bigmem_train/calibration.json
+    python benchmarks/planner_accuracy.py --fit-calibration src/bigmem_train/memory/calibration.json
 """
 
 from __future__ import annotations
@@ -26,10 +26,16 @@ import os
 import sys
 from pathlib import Path
 
-from bigmem_train.calibration import (calibration_data, fit_constants, job_config, measure_peak,
-                                      predicted_for_measurement, runtime_record)
 from bigmem_train.config import load_config
-from bigmem_train.planner import Calibration, load_calibration
+from bigmem_train.memory.calibrate import (
+    calibration_data,
+    fit_constants,
+    job_config,
+    measure_peak,
+    predicted_for_measurement,
+    runtime_record,
+)
+from bigmem_train.memory.constants import Calibration, load_calibration
 
 # Input edges 64..192, non-cubic shapes, batch 1..4, base filters 8..32, depth 3..5, 1 and 4 channels;
 # all well under 20 GiB, and cheap enough to run on two cores (compute ~ voxels x batch x filters^2).

@@ -3,7 +3,7 @@
 Under oneDNN (the default runtime) every 3x3x3 Conv3D's filter gradient runs oneDNN's gemm kernel
 (``x64:gemm:jit``, ``ONEDNN_VERBOSE=1`` shows it), which books a scratchpad of a transposed copy of one
 input sample + the im2col patches of one output depth slice, per thread when it threads over the batch
-(``planner.onednn_scratchpad_bytes``). oneDNN keeps it in a per-thread buffer that lives as long as the
+(``memory.estimate.onednn_scratchpad_bytes``). oneDNN keeps it in a per-thread buffer that lives as long as the
 cached primitives, so the first call's rise stays for the whole run.
 
 Each case runs in its own process under the run's runtime (oneDNN on, tcmalloc preloaded when
@@ -41,7 +41,7 @@ MiB = 2**20
 def child(case: tuple[int, ...]) -> dict:
     import tensorflow as tf
 
-    from bigmem_train.calibration import reset_peak, status_bytes
+    from bigmem_train.memory.calibrate import reset_peak, status_bytes
 
     batch, depth, height, width, cin, cout = case
     tf.config.threading.set_intra_op_parallelism_threads(THREADS)
@@ -64,7 +64,7 @@ def child(case: tuple[int, ...]) -> dict:
 
 
 def formula_bytes(case: tuple[int, ...]) -> int:
-    from bigmem_train.planner import onednn_scratchpad_bytes
+    from bigmem_train.memory.estimate import onednn_scratchpad_bytes
 
     batch, depth, height, width, cin, cout = case
     table = [
@@ -81,7 +81,7 @@ def main() -> int:
         print(json.dumps(child(tuple(json.loads(sys.argv[2])))))
         return 0
     from bigmem_train.config import load_config
-    from bigmem_train.pipeline import runtime_environment
+    from bigmem_train.launch import runtime_environment
 
     env = dict(runtime_environment(load_config()), TF_CPP_MIN_LOG_LEVEL="3")
     print(f"runtime: TF_ENABLE_ONEDNN_OPTS={env.get('TF_ENABLE_ONEDNN_OPTS')}, "

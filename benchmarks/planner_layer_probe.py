@@ -25,8 +25,20 @@ import sys
 LAYERS = ("conv", "conv_bn_relu", "bn", "relu", "pool", "convT")
 
 
+def _gradient_step(tf, model, data):
+    """One forward and backward pass of ``model`` on ``data`` as a tf.function (the input's gradient too)."""
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(data, training=True))
+        return tape.gradient(loss, [data, *model.trainable_variables])
+
+    return step
+
+
 def _release_and_reset() -> None:
-    from bigmem_train.calibration import reset_peak
+    from bigmem_train.memory.calibrate import reset_peak
 
     library = ctypes.CDLL(None)
     if hasattr(library, "MallocExtension_ReleaseFreeMemory"):
@@ -43,7 +55,7 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
     import keras
     import tensorflow as tf
 
-    from bigmem_train.calibration import status_bytes, tcmalloc_stats
+    from bigmem_train.memory.calibrate import status_bytes, tcmalloc_stats
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -73,12 +85,7 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
             model = build(kind)
             data = tf.Variable(tf.random.normal((batch, *shape, channels)))
 
-            @tf.function
-            def step():
-                with tf.GradientTape() as tape:
-                    loss = tf.reduce_mean(model(data, training=True))
-                return tape.gradient(loss, [data, *model.trainable_variables])
-
+            step = _gradient_step(tf, model, data)
             rises = []
             gc.collect()
             allocated_before = tcmalloc_stats().get("current_allocated_bytes")
@@ -112,7 +119,7 @@ def main() -> int:
         probe(args.layers.split(","), shape, args.channels)  # type: ignore[arg-type]
         return 0
     from bigmem_train.config import load_config
-    from bigmem_train.pipeline import runtime_environment
+    from bigmem_train.launch import runtime_environment
 
     config = load_config(None, {"runtime.onednn": args.onednn == "true", "runtime.allocator": args.allocator})
     environment = dict(runtime_environment(config), TF_CPP_MIN_LOG_LEVEL="3")

@@ -51,8 +51,8 @@ def chosen_settings() -> dict:
         "onednn": config.runtime.onednn,
         "allocator": config.runtime.allocator,
         "thp": False,
-        "intra": config.runtime.intra_op_threads,  # None: train.choose_threads (physical cores)
-        "inter": config.runtime.inter_op_threads,  # None: train.choose_threads (1)
+        "intra": config.runtime.intra_op_threads,  # None: launch.choose_threads (physical cores)
+        "inter": config.runtime.inter_op_threads,  # None: launch.choose_threads (1)
         "pin": False,
         "precision": config.runtime.precision,
         "recompute": config.model.recompute,
@@ -197,7 +197,7 @@ def worker_model(spec: dict) -> dict:
         from bigmem_train.data import check_dataset, make_datasets, split_cases
         from bigmem_train.host import read_host_facts
         from bigmem_train.model import compile_model
-        from bigmem_train.train import choose_threads
+        from bigmem_train.launch import choose_threads
 
         settings = spec["settings"]
         runtime = {"precision": settings["precision"], "xla": settings["xla"], "allocator": settings["allocator"]}

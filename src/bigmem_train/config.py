@@ -80,7 +80,7 @@ class DataConfig(_Section):
         return value
 
     @model_validator(mode="after")
-    def _check_source(self) -> "DataConfig":
+    def _check_source(self) -> DataConfig:
         if self.source == "decathlon" and self.path is None:
             raise ValueError("data.path is required when data.source is 'decathlon'")
         return self
@@ -212,7 +212,7 @@ class Config(_Section):
     output: OutputConfig = Field(default_factory=OutputConfig)
 
     @model_validator(mode="after")
-    def _check_cross_fields(self) -> "Config":
+    def _check_cross_fields(self) -> Config:
         divisor = 2**self.model.depth
         for name, shape in (("data.input_shape", self.data.input_shape),):
             bad = [edge for edge in shape if edge % divisor]

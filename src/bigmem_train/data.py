@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ from .errors import BadInput
 _READ_ERRORS = (OSError, EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError)
 # Decompression chunk for the completeness check: memory stays at this size whatever the volume.
 _STREAM_CHUNK_BYTES = 4 << 20
-# Above this many cases, checking prints progress lines.
-_PROGRESS_MIN_CASES = 20
+# Checking prints a progress line this often (seconds) while it runs.
+_PROGRESS_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -248,7 +249,7 @@ def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]
         raise BadInput("data.path is not set: name the dataset folder (the one holding dataset.json)")
     cases = read_index(Path(dataset_dir))
     workers = max(1, min(8, os.cpu_count() or 1, len(cases)))
-    report_every = max(1, len(cases) // 10)
+    started = last_line = time.monotonic()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="check-data") as pool:
         futures = [pool.submit(_check_case, case, config) for case in cases]
         for done, future in enumerate(futures, start=1):
@@ -257,9 +258,34 @@ def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
-            if len(cases) >= _PROGRESS_MIN_CASES and (done % report_every == 0 or done == len(cases)):
-                print(f"checking dataset: {done}/{len(cases)} cases", file=sys.stderr, flush=True)
+            now = time.monotonic()
+            # A line every few seconds while it takes long (full-size volumes), and the total at the end.
+            if now - last_line >= _PROGRESS_SECONDS or (done == len(cases) and now - started >= _PROGRESS_SECONDS):
+                print(f"checking dataset: {done}/{len(cases)} cases ({now - started:.0f} s)", file=sys.stderr,
+                      flush=True)
+                last_line = now
     return cases
+
+
+def check_dataset_folder(config: Config) -> None:
+    """The cheap checks on a Decathlon folder, before planning (the full check reads every file later)."""
+    if config.data.source != "decathlon":
+        return
+    folder = Path(config.data.path)
+    if not folder.is_dir():
+        raise BadInput(f"dataset folder {config.data.path} does not exist")
+    if not (folder / "dataset.json").is_file():
+        raise BadInput(f"dataset folder {config.data.path} has no dataset.json (expected the Decathlon layout)")
+
+
+def training_split(config: Config, workers: int = 1) -> tuple[list[Case], list[Case]]:
+    """Check every case of ``config``'s dataset and split it into (training, validation); with several
+    workers the validation set is evened to whole global batches (:func:`balance_split`)."""
+    cases = check_dataset(config)
+    train, validation = split_cases(cases, config.data.validation_fraction, config.data.split_seed)
+    if workers > 1:
+        train, validation = balance_split(train, validation, config.training.batch_size)
+    return train, validation
 
 
 def split_cases(cases: list[Case], validation_fraction: float, seed: int) -> tuple[list[Case], list[Case]]:
@@ -268,7 +294,7 @@ def split_cases(cases: list[Case], validation_fraction: float, seed: int) -> tup
         raise BadInput(f"need at least 2 cases to split into training and validation, found {len(cases)}")
     validation_count = min(len(cases) - 1, max(1, round(len(cases) * validation_fraction)))
     order = np.random.default_rng(seed).permutation(len(cases))
-    validation = set(int(index) for index in order[:validation_count])
+    validation = {int(index) for index in order[:validation_count]}
     return ([case for index, case in enumerate(cases) if index not in validation],
             [case for index, case in enumerate(cases) if index in validation])
 

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from .config import Config
 from .errors import BadInput
 
 TF_CONFIG_ENV = "TF_CONFIG"
 TF_CONFIG_TEMPLATE = "tf_config.json.j2"
-# Port each worker listens on for the all-reduce when the inventory sets none.
-DEFAULT_WORKER_PORT = 12345
+# The port each worker listens on when the inventory sets none has one source: the template's default.
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,6 @@ def is_chief(environ: Mapping[str, str] | None = None) -> bool:
     """True for the process whose run directory counts: worker 0, or any process without TF_CONFIG."""
     cluster = read_cluster(environ)
     return cluster is None or cluster.is_chief
-
-
-def worker_index(environ: Mapping[str, str] | None = None) -> int:
-    cluster = read_cluster(environ)
-    return 0 if cluster is None else cluster.index
 
 
 def worker_count(environ: Mapping[str, str] | None = None) -> int:
@@ -162,19 +158,6 @@ def make_strategy(config: Config):
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
 
 
-def shard_by_data(dataset):
-    """Let every worker read the whole (index-based) dataset and keep its share of each batch.
-
-    Our datasets start from ``Dataset.range`` rather than files, so sharding by file cannot apply;
-    saying so explicitly avoids TensorFlow's fallback warning.
-    """
-    import tensorflow as tf
-
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return dataset.with_options(options)
-
-
 _KERAS_PATCHED = False
 
 
@@ -238,8 +221,6 @@ def render_tf_config(groups: Mapping[str, list[str]], hostvars: Mapping[str, Map
     The template sees Ansible's names (``groups``, ``hostvars``, ``inventory_hostname``) and the
     group in ``bigmem_train_group``, so one file serves both.
     """
-    import jinja2
-
     if group not in groups or not groups[group]:
         raise BadInput(f"inventory has no group {group!r} with hosts (groups: {', '.join(sorted(groups))})")
     if inventory_hostname not in groups[group]:

@@ -26,9 +26,3 @@ class DoesNotFit(BigmemError):
     """The planned job does not fit the memory of this host (exit 3)."""
 
     exit_code = EXIT_DOES_NOT_FIT
-
-
-class ValidationFailed(BigmemError):
-    """The job ran but its verdict is FAIL (exit 1)."""
-
-    exit_code = EXIT_FAIL

@@ -6,6 +6,7 @@ Every reader takes a ``root`` so tests can point it at a recorded sysfs/procfs l
 from __future__ import annotations
 
 import os
+import platform
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -297,8 +298,6 @@ def onednn_enabled(cpu_flags: list[str] | None = None) -> bool:
     flag = os.environ.get("TF_ENABLE_ONEDNN_OPTS")
     if flag is not None:
         return flag.strip().lower() in {"1", "true", "yes", "on"}
-    import platform
-
     if platform.system() != "Linux" or platform.machine() not in {"x86_64", "AMD64"}:
         return False
     flags = set(read_cpu_flags() if cpu_flags is None else cpu_flags)

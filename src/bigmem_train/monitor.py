@@ -95,7 +95,7 @@ class MemorySampler:
                     self.sample(writer)
                     return
 
-    def start(self) -> "MemorySampler":
+    def start(self) -> MemorySampler:
         self._thread = threading.Thread(target=self._loop, name="memory-sampler", daemon=True)
         self._thread.start()
         return self
@@ -105,17 +105,8 @@ class MemorySampler:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         return self.start()
 
     def __exit__(self, *exc_info) -> None:
         self.stop()
-
-
-def read_memory_csv(path: Path) -> list[dict[str, float]]:
-    """Rows of a memory.csv as floats (for validation and the report)."""
-    if not Path(path).exists():
-        return []
-    with open(path, newline="") as handle:
-        return [{key: float(value) for key, value in row.items() if value not in (None, "")}
-                for row in csv.DictReader(handle)]

@@ -36,7 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from .config import PRESETS_DIR, load_config
+from .distribute import parse_tf_config, per_worker_batch_size, render_tf_config, worker_run_name
 from .errors import BadInput, BigmemError
+from .sizes import format_bytes
 
 EXIT_UNREACHABLE = 4
 
@@ -146,7 +148,7 @@ def load_inventory(path: str | Path) -> Inventory:
     path = Path(path).expanduser()
     if not path.is_file():
         raise BadInput(f"inventory {path} does not exist (give one with --inventory)")
-    try:
+    try:  # Ansible comes with the optional "ops" extra.
         from ansible.inventory.manager import InventoryManager
         from ansible.parsing.dataloader import DataLoader
         from ansible.vars.manager import VariableManager
@@ -195,6 +197,7 @@ def _remote_host(name: str, variables: dict[str, Any], inventory_path: Path) -> 
 @contextmanager
 def connect(host: RemoteHost, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Iterator[Any]:
     """An open Fabric connection to ``host``; Unreachable (exit 4) with one line when there is none."""
+    # Fabric and Paramiko come with the optional "ops" extra; a host that only trains does without them.
     import fabric
     import paramiko
 
@@ -218,7 +221,7 @@ def connect(host: RemoteHost, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Itera
     except paramiko.BadHostKeyException:
         raise Unreachable(f"{host.label}: host key does not match known_hosts (the server was "
                           f"reinstalled, or this is not that server)") from None
-    except (socket.timeout, TimeoutError):
+    except TimeoutError:
         raise Unreachable(f"{host.label}: unreachable (no answer within {timeout:g} s)") from None
     except paramiko.ssh_exception.NoValidConnectionsError as error:
         reason = "connection refused" if all(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == 111
@@ -289,8 +292,6 @@ def start(inventory: Inventory, target: str, request: StartRequest,
     multi_worker = config.training.strategy == "multi_worker"
     tf_configs: list[str | None] = [None] * len(hosts)
     if multi_worker:
-        from .distribute import per_worker_batch_size, render_tf_config
-
         group = target if target in inventory.groups else None
         if group is None:
             raise BadInput(f"training.strategy multi_worker runs one worker per host of an inventory group; "
@@ -305,8 +306,6 @@ def start(inventory: Inventory, target: str, request: StartRequest,
         # Every worker runs with the job's name; `run` names a non-chief's run directory NAME.workerN.
         run_name = request.name
         if tf_config:
-            from .distribute import parse_tf_config, worker_run_name
-
             run_name = worker_run_name(request.name, parse_tf_config(tf_config))
         with connect(host, timeout) as connection:
             started.append(_start_on(connection, host, request, config_text, run_name, tf_config))
@@ -366,7 +365,7 @@ def docker_run_command(name: str, image: str, folder: str, run_name: str, data_d
     quote = shlex.quote
     parts = ["docker", "run", "-d", "--name", quote(name), "--user", '"$(id -u):$(id -g)"',
              *HARDENED_DOCKER_FLAGS,
-             "-v", f'"$PWD/results":/results', "-v", f'"$PWD/config.yaml":/config/job.yaml:ro']
+             "-v", '"$PWD/results":/results', "-v", '"$PWD/config.yaml":/config/job.yaml:ro']
     if data_dir:
         parts += ["-v", f"{quote(data_dir)}:/data:ro"]
     # The workers of a multi-worker job reach each other on the ports TF_CONFIG names.
@@ -527,8 +526,6 @@ def _number(text: str) -> float | str:
 
 
 def format_status(report: dict[str, Any]) -> str:
-    from .sizes import format_bytes
-
     lines = [f"{report['name']} on {report['host']}: {report['state']}"
              + (f" (exit code {report['exit_code']})" if report.get("exit_code") not in (None, 0) else "")]
     if report.get("epoch"):
@@ -642,8 +639,6 @@ def _download_tree(sftp: Any, remote: str, local: Path, skip: set[str]) -> None:
 
 def tf_config(inventory: Inventory, host_name: str, group: str | None = None) -> str:
     """TF_CONFIG for one host of a group (the host's only group other than "all" when not given)."""
-    from .distribute import render_tf_config
-
     host = inventory.host(host_name)
     if group is None:
         member_of = [name for name, members in inventory.groups.items()

@@ -7,9 +7,7 @@ The same templates are rendered by Ansible's train role; both pass the variables
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +16,7 @@ import yaml
 
 from .config import config_from_dict, parse_override
 from .errors import BadInput
-from .host import HostFacts, read_host_facts
+from .host import HostFacts
 
 TEMPLATES_ENV = "BIGMEM_TEMPLATES_DIR"
 
@@ -92,25 +90,3 @@ def render(name: str, variables: dict[str, Any], directory: Path | None = None) 
             raise BadInput(f"template {name} rendered invalid YAML: {error}") from None
         config_from_dict(raw, source=f"rendered {name}")
     return text
-
-
-def render_command(args: argparse.Namespace) -> int:
-    """``bigmem-train render [TEMPLATE] [--var K=V ...] [--out FILE] [--list]``."""
-    if args.list:
-        for name in list_templates():
-            print(name)
-        return 0
-    variables = host_variables(read_host_facts())
-    variables.update(parse_variables(args.variables))
-    text = render(args.template, variables)
-    if args.out and args.out != "-":
-        out = Path(args.out)
-        try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(text)
-        except OSError as error:
-            raise BadInput(f"--out {args.out}: {error.strerror}") from None
-        print(f"rendered {args.template}: {out}", file=sys.stderr)
-    else:
-        sys.stdout.write(text)
-    return 0

@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 
 from .errors import BadInput
-from .monitor import read_memory_csv
+from .rundir import read_history, read_memory_csv
 from .sizes import GIB, format_bytes
 
 
 def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (servers and containers have no display)."""
+    """matplotlib's pyplot on the file-only Agg backend (servers and containers have no display).
+
+    Imported here, not at the top: the backend must be chosen before pyplot loads, and only a process
+    that writes a report should make that choice."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,8 +58,6 @@ def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
 
 def _plot_training(run_dir: Path) -> Path | None:
     plt = _pyplot()
-    from .train import read_history
-
     history = read_history(run_dir / "history.csv")
     if not history:
         return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import time
@@ -97,3 +98,39 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
     (run_dir / "config.yaml").write_text(resolved)
     set_state(run_dir, RUNNING, pid=os.getpid())
     return run_dir, resuming
+
+
+# Readers of the files a run writes (history.csv by Keras' CSVLogger, steps.csv by train.StepTimer,
+# memory.csv by monitor.MemorySampler), shared by train, validate and report.
+
+
+def read_history(path: Path) -> list[dict[str, float]]:
+    if not path.exists():
+        return []
+    rows = []
+    with open(path, newline="") as handle:
+        for row in csv.DictReader(handle):
+            parsed = {}
+            for key, value in row.items():
+                try:
+                    parsed[key] = float(value)
+                except (TypeError, ValueError):
+                    continue
+            rows.append(parsed)
+    return rows
+
+
+def read_step_seconds(path: Path) -> list[float]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as handle:
+        return [float(row["seconds"]) for row in csv.DictReader(handle)]
+
+
+def read_memory_csv(path: Path) -> list[dict[str, float]]:
+    """Rows of a memory.csv as floats (for validation and the report)."""
+    if not Path(path).exists():
+        return []
+    with open(path, newline="") as handle:
+        return [{key: float(value) for key, value in row.items() if value not in (None, "")}
+                for row in csv.DictReader(handle)]

@@ -32,11 +32,6 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
 
 
-def is_relative(text: str | int | float) -> bool:
-    """True when a size is a share of the host (``80%``)."""
-    return isinstance(text, str) and text.strip().endswith("%")
-
-
 def parse_size(text: str | int | float, host_total_bytes: int | None = None) -> int:
     """Parse a size into bytes.
 

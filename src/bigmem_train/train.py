@@ -1,8 +1,8 @@
 """Training: threads, callbacks, ``model.fit``, and the figures of one run (metrics.json).
 
 Keras does the work: ``model.fit`` with BackupAndRestore (a killed run resumes at its last finished
-epoch), ModelCheckpoint (last and best), CSVLogger, TensorBoard and a progress bar. A sampler thread
-records memory beside it.
+epoch), ModelCheckpoint (last and best), CSVLogger, TensorBoard, and :mod:`.progress` for a person watching. A
+sampler thread records memory beside it.
 """
 
 from __future__ import annotations
@@ -12,32 +12,19 @@ import math
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from . import distribute
 from .config import Config
+from .data import bad_input_from, make_datasets
 from .host import HostFacts, onednn_enabled, preloaded_allocator
-from .monitor import MemorySampler, read_memory_csv
-from .rundir import write_json
-
-
-def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = None) -> tuple[int, int]:
-    """Intra-op threads: configured, else the physical cores we may run on; inter-op: configured, else 1.
-
-    One inter-op thread keeps every core on the convolution at hand: the U-Net is a chain of large
-    ops with little to overlap, and two ops side by side would split the cores and the caches.
-    """
-    intra = config.runtime.intra_op_threads
-    if intra is None:
-        if cpus:
-            share = len(cpus) / max(1, host.logical_cpus)
-            intra = max(1, round(host.physical_cores * share))
-        else:
-            intra = host.physical_cores
-    inter = config.runtime.inter_op_threads or 1
-    return intra, inter
+from .launch import choose_threads, start_tensorflow
+from .memory.plan import JobPlan
+from .monitor import MemorySampler
+from .progress import progress_callback
+from .rundir import read_history, read_memory_csv, read_step_seconds, write_json
 
 
 def tensorflow_build_info() -> dict[str, Any]:
@@ -106,30 +93,7 @@ class StepTimer:
         return _StepTimer()
 
 
-def read_history(path: Path) -> list[dict[str, float]]:
-    if not path.exists():
-        return []
-    rows = []
-    with open(path, newline="") as handle:
-        for row in csv.DictReader(handle):
-            parsed = {}
-            for key, value in row.items():
-                try:
-                    parsed[key] = float(value)
-                except (TypeError, ValueError):
-                    continue
-            rows.append(parsed)
-    return rows
-
-
-def read_step_seconds(path: Path) -> list[float]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as handle:
-        return [float(row["seconds"]) for row in csv.DictReader(handle)]
-
-
-def compute_metrics(run_dir: Path, config: Config, plan: dict[str, Any] | None,
+def compute_metrics(run_dir: Path, config: Config, plan: JobPlan | None,
                     session_peak_bytes: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Figures of a run from its files (history, steps, memory), so a rerun of a stage agrees."""
     history = read_history(run_dir / "history.csv")
@@ -155,8 +119,8 @@ def compute_metrics(run_dir: Path, config: Config, plan: dict[str, Any] | None,
         "peak_anon_hugepages_bytes": huge_peak,
         "hugepage_share_at_peak": round(huge_peak / peak, 3) if peak else 0.0,
         "peak_numa_node_bytes": node_peaks,
-        "planned_peak_bytes": (plan or {}).get("peak_bytes"),
-        "target_bytes": (plan or {}).get("target_bytes"),
+        "planned_peak_bytes": plan.peak_bytes if plan else None,
+        "target_bytes": plan.target_bytes if plan else None,
         "median_step_seconds": round(median_step, 4) if median_step else None,
         "steps": len(steps),
         "voxels_per_step": voxels_per_step,
@@ -170,13 +134,13 @@ def compute_metrics(run_dir: Path, config: Config, plan: dict[str, Any] | None,
         "batch_size": config.training.batch_size,
         "precision": config.runtime.precision,
     }
-    if plan and plan.get("peak_bytes") and peak:
-        metrics["planned_vs_measured_error"] = round((plan["peak_bytes"] - peak) / peak, 4)
+    if plan and plan.peak_bytes and peak:
+        metrics["planned_vs_measured_error"] = round((plan.peak_bytes - peak) / peak, 4)
     metrics.update(extra or {})
     return metrics
 
 
-def _fit(model, datasets, config: Config, callbacks: list, verbose: int) -> None:
+def _fit(model, datasets, config: Config, callbacks: list) -> None:
     model.fit(
         datasets.train,
         epochs=config.training.epochs,
@@ -185,31 +149,24 @@ def _fit(model, datasets, config: Config, callbacks: list, verbose: int) -> None
         validation_steps=datasets.validation_steps,
         callbacks=callbacks,
         shuffle=False,  # the tf.data pipeline shuffles cases itself
-        verbose=verbose,
+        verbose=0,  # progress.progress_callback reports instead: memory and time left, and during long steps
     )
 
 
-def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[str, Any] | None,
+def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan | None,
           host: HostFacts, resuming: bool = False) -> dict[str, Any]:
     """Train the configured U-Net; write history, steps, memory, checkpoints and metrics.json."""
-    placement_cpus = ((plan or {}).get("placement") or {}).get("cpus") or None
-    intra, inter = choose_threads(config, host, placement_cpus)
-    import tensorflow as tf
-
-    tf.config.threading.set_intra_op_parallelism_threads(intra)
-    tf.config.threading.set_inter_op_parallelism_threads(inter)
+    intra, inter = choose_threads(config, host, plan.placement.cpus if plan else None)
+    tf = start_tensorflow(intra, inter)
     import keras
 
-    from .data import bad_input_from, make_datasets
-    from .model import compile_model
+    from .model import compile_model  # imports Keras, so TensorFlow: after the threads are set
 
     keras.utils.set_random_seed(config.training.seed)
     strategy = tf.distribute.get_strategy()
     is_chief = True
     workers = 1
     if config.training.strategy == "multi_worker":
-        from . import distribute
-
         strategy = distribute.make_strategy(config)
         is_chief = distribute.is_chief()
         workers = distribute.worker_count()
@@ -221,7 +178,6 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
 
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
-    progress_bar = 1 if sys.stdout.isatty() else 2
     step_timer = StepTimer.create(run_dir / "steps.csv", run_dir / "progress.json", datasets.train_steps)
     callbacks = [
         keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True),
@@ -233,6 +189,9 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
     ]
     if config.output.tensorboard:
         callbacks.append(keras.callbacks.TensorBoard(str(run_dir / "tensorboard"), update_freq="epoch"))
+    if is_chief:
+        callbacks.append(progress_callback(config.training.epochs, datasets.train_steps,
+                                           plan.peak_bytes if plan else None))
 
     build = tensorflow_build_info()
     numa_nodes = [node.node_id for node in host.numa_nodes]
@@ -243,7 +202,7 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
     started = time.time()
     with MemorySampler(run_dir / "memory.csv", config.output.sample_interval, numa_nodes) as sampler:
         try:
-            _fit(model, datasets, config, callbacks, progress_bar if is_chief else 0)
+            _fit(model, datasets, config, callbacks)
         except tf.errors.OpError as error:
             # A volume that turned out unreadable mid-run: one line naming the file, exit 2.
             bad_input = bad_input_from(error)
@@ -264,7 +223,7 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: dict[st
         "allocator_requested": config.runtime.allocator,
         "allocator": preloaded_allocator(),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        "numa_policy": ((plan or {}).get("placement") or {}).get("policy", "none"),
+        "numa_policy": plan.placement.policy if plan else "none",
         "strategy": config.training.strategy,
         "resumed": resuming,
     }

@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from .config import load_config
-from .errors import EXIT_FAIL, EXIT_PASS, BadInput
-from .monitor import read_memory_csv
-from .rundir import FINISHED, read_json, read_state, write_json
+from .errors import BadInput
+from .rundir import FINISHED, read_history, read_json, read_memory_csv, read_state, write_json
 from .sizes import format_bytes
 
 
@@ -41,8 +40,6 @@ class Verdict:
 
 
 def _history(run_dir: Path) -> list[dict[str, float]]:
-    from .train import read_history
-
     return read_history(run_dir / "history.csv")
 
 
@@ -104,17 +101,13 @@ def validate_run(run_dir: Path) -> Verdict:
     return verdict
 
 
-def print_verdict(verdict: Verdict) -> None:
-    for criterion in verdict.criteria:
-        print(f"  [{'ok' if criterion.passed else 'FAIL'}] {criterion.name}: {criterion.detail}")
+def format_verdict(verdict: Verdict) -> str:
+    """The verdict as a person reads it: one line per criterion, then PASS or FAIL and the run."""
+    lines = [f"  [{'ok' if criterion.passed else 'FAIL'}] {criterion.name}: {criterion.detail}"
+             for criterion in verdict.criteria]
     if verdict.passed:
-        print(f"PASS {verdict.run_dir}")
+        lines.append(f"PASS {verdict.run_dir}")
     else:
         names = ", ".join(criterion.name for criterion in verdict.failed)
-        print(f"FAIL {verdict.run_dir} (failed: {names})")
-
-
-def validate_command(run_dir: Path) -> int:
-    verdict = validate_run(run_dir)
-    print_verdict(verdict)
-    return EXIT_PASS if verdict.passed else EXIT_FAIL
+        lines.append(f"FAIL {verdict.run_dir} (failed: {names})")
+    return "\n".join(lines)

@@ -17,10 +17,11 @@ import pytest
 import yaml
 
 from bigmem_train import __version__
+from tests.fixtures.common import CONTAINER_UID, results_folder
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
-UID = 10001
+UID = CONTAINER_UID
 HARDENED = [
     "--network", "none", "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL",
     "--security-opt", "no-new-privileges", "--user", f"{UID}:{UID}",
@@ -37,17 +38,6 @@ def docker_run(image: str, *args: str, options: list[str] | None = None, entrypo
     if entrypoint:
         command += ["--entrypoint", entrypoint]
     return subprocess.run([*command, image, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def results_folder(path: Path, uid: int = UID, mode: int = 0o755) -> Path:
-    """A results folder the container user owns (as root), else one anybody may write."""
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() == 0:
-        os.chown(path, uid, uid)
-        path.chmod(mode)
-    else:
-        path.chmod(0o777)
-    return path
 
 
 def chown_tree(path: Path, uid: int = UID) -> None:

@@ -7,26 +7,7 @@ from pathlib import Path
 
 import pytest
 
-TINY_JOB = """\
-data:
-  source: synthetic
-  synthetic_cases: 10
-  synthetic_shape: [40, 40, 28]
-  input_shape: [32, 32, 16]
-  crop_jitter: 2
-model:
-  depth: 2
-  base_filters: 8
-training:
-  batch_size: 2
-  epochs: {epochs}
-  learning_rate: 0.003
-validation:
-  dice_floor: 0.5
-output:
-  results_dir: {results}
-  tensorboard: false
-"""
+from tests.fixtures.common import write_tiny_job
 
 
 def bigmem(*args, cwd=None, timeout=900, env=None):
@@ -39,6 +20,4 @@ def bigmem(*args, cwd=None, timeout=900, env=None):
 @pytest.fixture
 def tiny_job(tmp_path) -> Path:
     """Write a tiny synthetic job config (epochs adjustable via --set)."""
-    path = tmp_path / "tiny.yaml"
-    path.write_text(TINY_JOB.format(epochs=6, results=tmp_path / "results"))
-    return path
+    return write_tiny_job(tmp_path / "tiny.yaml", epochs=6, learns=True, results=tmp_path / "results")

@@ -31,7 +31,6 @@ from xml.sax.saxutils import quoteattr
 
 import bcrypt
 import libvirt
-
 from sushy_tools.emulator import main as sushy_main
 from sushy_tools.emulator.resources.systems import libvirtdriver
 

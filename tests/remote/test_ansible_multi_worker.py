@@ -20,15 +20,14 @@ from pathlib import Path
 import pytest
 
 from bigmem_train.distribute import parse_tf_config, render_tf_config
+from tests.fixtures.common import free_port, results_folder
 
-from ..fixtures.sshd import free_port
 from .test_multi_worker import assert_trained_in_lockstep
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
-UID = 10001
 
 # The tiny U-Net of the loopback test, rendered through templates/train.yaml.j2 like any Ansible job:
 # 12 cases: the split gives 9 training and 3 validation, evened to 8 and 4 (whole global batches of 2).
@@ -88,15 +87,6 @@ def play(folder: Path, timeout: float) -> tuple[subprocess.CompletedProcess[str]
     result = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", "inventory.ini", "-e", "@extra.json", "train.yml"],
                             cwd=folder, capture_output=True, text=True, timeout=timeout, env=environment)
     return result, time.monotonic() - started
-
-
-def results_folder(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() == 0:
-        os.chown(path, UID, UID)
-    else:
-        path.chmod(0o777)
-    return path
 
 
 def leftover_containers(prefix: str) -> list[str]:

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from bigmem_train import planner
 from bigmem_train.config import config_from_dict
 from bigmem_train.host import read_host_facts
+from bigmem_train.memory.estimate import estimate
 from bigmem_train.render import host_variables, render
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,7 +36,7 @@ PLAYBOOK = """\
 def planned_peak(job: dict) -> int:
     """The planner's peak for the job as templates/train.yaml.j2 renders it, as one process."""
     text = render("train.yaml.j2", {**host_variables(read_host_facts()), **job})
-    return sum(planner.estimate(config_from_dict(yaml.safe_load(text), source="rendered train.yaml.j2")).values())
+    return sum(estimate(config_from_dict(yaml.safe_load(text), source="rendered train.yaml.j2")).values())
 
 
 def job_that_fits_only_when_split() -> tuple[dict, int, int]:

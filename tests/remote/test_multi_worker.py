@@ -14,9 +14,7 @@ import numpy as np
 import pytest
 
 from bigmem_train.distribute import parse_tf_config, render_tf_config
-
-from ..fixtures.sshd import free_port
-from .conftest import write_job
+from tests.fixtures.common import free_port, write_tiny_job
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +44,7 @@ def test_two_workers_train_in_lockstep(tmp_path):
     hostvars = {name: {"ansible_host": "127.0.0.1", "bigmem_train_worker_port": port}
                 for name, port in zip(groups["workers"], ports)}
     # 12 cases: the split gives 9 training, 3 validation; evened to 8 and 4 for two workers (batch 2).
-    config = write_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
+    config = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
     processes = []
     for index, name in enumerate(groups["workers"]):
         tf_config = render_tf_config(groups, hostvars, name, "workers")

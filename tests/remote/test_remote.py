@@ -13,9 +13,7 @@ from pathlib import Path
 import pytest
 
 from bigmem_train.remote import load_inventory
-
-from ..fixtures.sshd import free_port
-from .conftest import write_job
+from tests.fixtures.common import free_port, write_tiny_job
 
 EXECUTABLE = Path(sys.executable).with_name("bigmem-train")
 
@@ -118,7 +116,7 @@ def _status(inventory, name):
 
 
 def test_stop_ends_the_whole_job(inventory, tmp_path):
-    config = write_job(tmp_path / "long.yaml", epochs=500)
+    config = write_tiny_job(tmp_path / "long.yaml", epochs=500)
     started = remote("start", "lab", "--config", config, "--name", "long", "--no-docker", inventory=inventory)
     assert started.returncode == 0, started.stderr
     assert "started long on lab (pid" in started.stdout
@@ -137,7 +135,7 @@ def test_stop_ends_the_whole_job(inventory, tmp_path):
 
 @pytest.mark.slow
 def test_start_follow_status_fetch_a_tiny_job(inventory, tmp_path):
-    config = write_job(tmp_path / "tiny.yaml", epochs=2)
+    config = write_tiny_job(tmp_path / "tiny.yaml", epochs=2)
     started = remote("start", "lab", "--config", config, "--name", "tiny", "--no-docker", inventory=inventory)
     assert started.returncode == 0, started.stderr
 
@@ -178,7 +176,7 @@ def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
     inventory = tmp_path / "workers.ini"
     inventory.write_text(f"[workers]\n{hosts}\n\n[workers:vars]\nansible_user={sshd.user}\n"
                          f"ansible_ssh_private_key_file={sshd.key_file}\nbigmem_train_executable={EXECUTABLE}\n")
-    config = write_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker")
+    config = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker")
     try:
         single = remote("start", "w0", "--config", config, "--name", "mw", "--no-docker", inventory=inventory)
         assert single.returncode == 2 and "give its group" in one_line(single)
@@ -220,7 +218,7 @@ def test_container_job_over_ssh(inventory, tmp_path):
     image = os.environ.get("BIGMEM_TRAIN_IMAGE", "bigmem-train")
     if not _docker_image_present(image):
         pytest.skip(f"needs a Docker daemon with the {image} image (docker/build-image.sh)")
-    config = write_job(tmp_path / "tiny.yaml", epochs=2)
+    config = write_tiny_job(tmp_path / "tiny.yaml", epochs=2)
     try:
         started = remote("start", "lab", "--config", config, "--name", "boxed", "--image", image, inventory=inventory)
         assert started.returncode == 0, started.stderr

@@ -20,6 +20,7 @@ from bigmem_train.distribute import (
     worker_run_name,
 )
 from bigmem_train.errors import BadInput
+from bigmem_train.memory.plan import plan_job
 
 
 def tf_config(index, workers=("a:1", "b:2")):
@@ -102,8 +103,6 @@ def test_ansible_renders_the_same_template(tmp_path):
 
 
 def test_planner_plans_one_replica_per_host(monkeypatch):
-    from bigmem_train.planner import plan_job
-
     single = load_config(None, {"training.batch_size": 4})
     multi = load_config(None, {"training.batch_size": 4, "training.strategy": "multi_worker"})
     monkeypatch.setenv("TF_CONFIG", tf_config(0))

@@ -4,7 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from bigmem_train.host import parse_cpu_list, parse_meminfo, read_cgroup_limit, read_cgroup_memory, read_host_facts
+from bigmem_train.host import (
+    parse_cpu_list,
+    parse_meminfo,
+    read_cgroup_limit,
+    read_cgroup_memory,
+    read_host_facts,
+)
 
 HOSTS = Path(__file__).resolve().parents[1] / "fixtures" / "hosts"
 GIB = 1024**3

@@ -13,6 +13,7 @@ import pytest
 from bigmem_train.data import check_dataset, make_datasets, split_cases
 from tests.unit.nifti_fixtures import phantom, small_config, write_dataset
 
+
 def centre_sums(config, cases):
     """One number per case that tells the cases apart: the absolute sum of its validation (centre) crop."""
     from bigmem_train.data import prepare_case
@@ -85,7 +86,7 @@ def test_balance_split_makes_whole_global_batches(train_count, validation_count,
     new_train, new_validation = balance_split(train, validation, batch)
     assert (len(new_train), len(new_validation)) == expected
     assert sorted(c.name for c in new_train + new_validation) == [c.name for c in cases], "no case lost or doubled"
-    assert not set(c.name for c in new_train) & set(c.name for c in new_validation)
+    assert not {c.name for c in new_train} & {c.name for c in new_validation}
     if expected != (train_count, validation_count):
         assert len(new_validation) % batch == 0 and len(new_train) >= 1
     assert balance_split(train, validation, batch) == (new_train, new_validation), "deterministic"

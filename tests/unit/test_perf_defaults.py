@@ -5,9 +5,8 @@ from pathlib import Path
 
 from bigmem_train.config import Config, load_config
 from bigmem_train.host import HostFacts
-from bigmem_train.pipeline import ALLOCATOR_LIBRARIES, launch_command
+from bigmem_train.launch import ALLOCATOR_LIBRARIES, choose_threads, launch_command
 from bigmem_train.render import render
-from bigmem_train.train import choose_threads
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -63,4 +62,4 @@ def test_the_benchmark_measures_the_defaults():
     assert throughput.CHOSEN["xla"] == runtime.xla
     assert throughput.CHOSEN["recompute"] == Config().model.recompute
     assert throughput.CHOSEN["onednn"] == runtime.onednn
-    assert (throughput.CHOSEN["intra"], throughput.CHOSEN["inter"]) == (None, None)  # train.choose_threads
+    assert (throughput.CHOSEN["intra"], throughput.CHOSEN["inter"]) == (None, None)  # launch.choose_threads

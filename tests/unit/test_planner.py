@@ -6,40 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from bigmem_train import planner
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.host import read_host_facts
-from bigmem_train.planner import (
-    BREAKDOWN_KEYS,
-    Calibration,
-    Placement,
-    breakdown_for,
-    decide_placement,
-    plan_job,
-)
+from bigmem_train.memory import calibrate, constants, estimate, layers, sizing
+from bigmem_train.memory.constants import Calibration
+from bigmem_train.memory.estimate import BREAKDOWN_KEYS, breakdown_for
+from bigmem_train.memory.placement import Placement, decide_placement
+from bigmem_train.memory.plan import plan_job
+from tests.fixtures.common import TEST_CALIBRATION as CALIBRATION
+from tests.fixtures.common import recorded_layer_table as recorded_table
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GIB = 1024**3
-CALIBRATION = Calibration(runtime_baseline_bytes=600 * 1024**2, workspace_factor=1.5, source="test")
-
-
-def recorded_table(name: str) -> list[dict]:
-    return json.loads((FIXTURES / "layer_tables" / f"{name}.json").read_text())["table"]
-
-
 @pytest.fixture
-def tables(monkeypatch):
-    """Serve recorded layer tables (built once from the Keras model) instead of building the model."""
-    def fake_layer_table(config):
-        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_{config.runtime.precision}"
-        return recorded_table(name + ("_recompute" if config.model.recompute else ""))
-
-    from bigmem_train import calibration
-
-    monkeypatch.setattr(planner, "layer_table", fake_layer_table)
-    monkeypatch.setattr(calibration, "layer_table", fake_layer_table)
-    monkeypatch.setattr(planner, "load_calibration", lambda: CALIBRATION)
+def tables(recorded_tables):
+    """Recorded layer tables (built once from the Keras model) instead of building the model."""
 
 
 def study(**overrides):
@@ -51,7 +33,7 @@ def host(name: str):
 
 
 def test_breakdown_has_every_component(tables):
-    breakdown = planner.estimate(study(), CALIBRATION)
+    breakdown = estimate.estimate(study(), CALIBRATION)
     assert tuple(breakdown) == BREAKDOWN_KEYS
     assert all(value >= 0 for value in breakdown.values())
     assert breakdown["runtime_baseline"] == CALIBRATION.runtime_baseline_bytes
@@ -60,7 +42,7 @@ def test_breakdown_has_every_component(tables):
 def test_weights_gradients_and_adam_slots_follow_the_parameter_count(tables):
     table = recorded_table("unet_depth4_filters16_float32")
     trainable = sum(row["trainable_params"] for row in table)
-    breakdown = planner.estimate(study(), CALIBRATION)
+    breakdown = estimate.estimate(study(), CALIBRATION)
     assert breakdown["gradients"] == 4 * trainable
     assert breakdown["optimizer_slots"] == 8 * trainable
 
@@ -68,7 +50,7 @@ def test_weights_gradients_and_adam_slots_follow_the_parameter_count(tables):
 def test_kept_tensors_follow_the_gradient_rules():
     # depth 3, 8 filters, one 16^3 sample: count what the rules keep at full resolution.
     table = recorded_table("unet_depth3_filters8_float32")
-    kept = planner.kept_tensors(table, 1, (16, 16, 16)).sizes
+    kept = estimate.kept_tensors(table, 1, (16, 16, 16)).sizes
     voxels = 16**3
     assert kept["volume"] == voxels * 4  # the input, kept by the first convolution
     assert kept["down0_conv1"] == voxels * 8 * 4  # batch norm keeps its input
@@ -81,9 +63,9 @@ def test_kept_tensors_follow_the_gradient_rules():
 
 def test_activations_scale_with_batch_and_voxels(tables):
     shape = {"data.input_shape": [160, 160, 144]}
-    one = planner.estimate(study(**shape, **{"training.batch_size": 1}), CALIBRATION)["activations"]
-    two = planner.estimate(study(**shape, **{"training.batch_size": 2}), CALIBRATION)["activations"]
-    half = planner.estimate(study(**{"training.batch_size": 1, "data.input_shape": [160, 80, 144]}),
+    one = estimate.estimate(study(**shape, **{"training.batch_size": 1}), CALIBRATION)["activations"]
+    two = estimate.estimate(study(**shape, **{"training.batch_size": 2}), CALIBRATION)["activations"]
+    half = estimate.estimate(study(**{"training.batch_size": 1, "data.input_shape": [160, 80, 144]}),
                             CALIBRATION)["activations"]
     assert two == 2 * one
     assert half * 2 == one
@@ -97,15 +79,15 @@ def test_study_job_is_about_a_kilobyte_per_voxel(tables):
 
 
 def test_mixed_bfloat16_keeps_less_but_not_half(tables):
-    f32 = planner.estimate(study(), CALIBRATION)["activations"]
-    bf16 = planner.estimate(study(**{"runtime.precision": "mixed_bfloat16"}), CALIBRATION)["activations"]
+    f32 = estimate.estimate(study(), CALIBRATION)["activations"]
+    bf16 = estimate.estimate(study(**{"runtime.precision": "mixed_bfloat16"}), CALIBRATION)["activations"]
     # Batch norm keeps a float32 copy of its input, so the saving is well short of 2x.
     assert 0.5 * f32 < bf16 < 0.9 * f32
 
 
 def test_recompute_keeps_only_block_boundaries(tables):
-    full = planner.estimate(study(), CALIBRATION)
-    recomputed = planner.estimate(study(**{"model.recompute": True}), CALIBRATION)
+    full = estimate.estimate(study(), CALIBRATION)
+    recomputed = estimate.estimate(study(**{"model.recompute": True}), CALIBRATION)
     assert recomputed["activations"] < 0.7 * full["activations"]
     assert recomputed["workspace"] > full["workspace"]  # one block is rebuilt during backward
     assert sum(recomputed.values()) < sum(full.values())
@@ -122,8 +104,8 @@ def test_sizing_reaches_the_target_from_below(tables, resize):
     assert all(edge % 16 == 0 for edge in plan.config.data.input_shape)
     if resize == "batch":
         assert tuple(plan.config.data.input_shape) == (240, 240, 144)
-        bigger = planner.with_job_size(plan.config, plan.config.training.batch_size + 1, (240, 240, 144))
-        assert sum(planner.estimate(bigger, CALIBRATION).values()) > target
+        bigger = sizing.with_job_size(plan.config, plan.config.training.batch_size + 1, (240, 240, 144))
+        assert sum(estimate.estimate(bigger, CALIBRATION).values()) > target
     if resize == "shape":
         assert plan.config.training.batch_size == 16
     if resize == "both":
@@ -221,20 +203,20 @@ def test_plan_records_the_placement(tables):
 @pytest.mark.slow
 def test_recorded_tables_match_the_model():
     # The recorded tables stand in for model.build_unet in the fast tests; this builds the model (imports
-    # TensorFlow) and checks they still describe it. Re-record with planner.layer_table_from_keras if not.
+    # TensorFlow) and checks they still describe it. Re-record with layers.layer_table_from_keras if not.
     config = load_config("study", {"model.depth": 3, "model.base_filters": 8})
-    fresh = planner.layer_table_from_keras(config)
+    fresh = layers.layer_table_from_keras(config)
     assert fresh == recorded_table("unet_depth3_filters8_float32")
 
 
 def test_recomputed_blocks_expand_to_the_plain_layers():
     plain = recorded_table("unet_depth4_filters16_float32")
     blocks = recorded_table("unet_depth4_filters16_float32_recompute")
-    expanded = planner.expand_recomputed_blocks(blocks, batch_norm=True)
+    expanded = layers.expand_recomputed_blocks(blocks, batch_norm=True)
     assert sum(r["trainable_params"] for r in expanded) == sum(r["trainable_params"] for r in plain)
     assert len(expanded) == len(plain)
-    assert planner.workspace_reference_bytes(expanded, 2, (64, 64, 48)) == \
-        planner.workspace_reference_bytes(plain, 2, (64, 64, 48))
+    assert estimate.workspace_reference_bytes(expanded, 2, (64, 64, 48)) == \
+        estimate.workspace_reference_bytes(plain, 2, (64, 64, 48))
 
 
 def test_breakdown_for_is_pure_arithmetic():
@@ -255,29 +237,27 @@ FIT_JOBS = [
 
 
 def synthetic_samples(truth, onednn=True, noise=lambda job: 0):
-    from bigmem_train.calibration import job_config, predicted_for_measurement
 
     base = load_config(None, {"runtime.onednn": onednn})
     samples = []
     for job in FIT_JOBS:
-        config = job_config(base, **job)
-        samples.append((config, sum(predicted_for_measurement(config, truth).values()) + noise(job)))
+        config = calibrate.job_config(base, **job)
+        samples.append((config, sum(calibrate.predicted_for_measurement(config, truth).values()) + noise(job)))
     return samples
 
 
 def test_calibration_fit_recovers_known_constants(tables):
-    from bigmem_train.calibration import fit_constants
 
     # oneDNN (the default): no column buffer, two constants.
     truth = Calibration(runtime_baseline_bytes=812 * 1024**2, activation_factor=1.23, workspace_factor=0.0)
-    fitted = fit_constants(synthetic_samples(truth))
+    fitted = calibrate.fit_constants(synthetic_samples(truth))
     assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
     assert fitted.activation_factor == pytest.approx(1.23, abs=1e-3)
     # The column buffer cannot be measured under oneDNN: the built-in factor stays for oneDNN-off plans.
     assert fitted.workspace_factor == Calibration.workspace_factor == 1.0
     # TensorFlow's own kernels: their per-sample column buffer is the third constant.
     truth = Calibration(runtime_baseline_bytes=700 * 1024**2, activation_factor=1.1, workspace_factor=0.92)
-    fitted = fit_constants(synthetic_samples(truth, onednn=False))
+    fitted = calibrate.fit_constants(synthetic_samples(truth, onednn=False))
     assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
     assert fitted.activation_factor == pytest.approx(1.1, abs=1e-3)
     assert fitted.workspace_factor == pytest.approx(0.92, abs=1e-3)
@@ -285,11 +265,11 @@ def test_calibration_fit_recovers_known_constants(tables):
 
 def test_the_column_buffer_counts_only_with_tensorflows_own_kernels(tables):
     calibration = Calibration(runtime_baseline_bytes=0, activation_factor=1.0, workspace_factor=1.0)
-    onednn = planner.estimate(study(), calibration)
-    eigen = planner.estimate(study(**{"runtime.onednn": False}), calibration)
-    table = planner.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
-    column = planner.workspace_reference_bytes(table, 16, (240, 240, 144))
-    scratchpad = planner.onednn_scratchpad_bytes(table, 16, (240, 240, 144), threads=os.cpu_count() or 1)
+    onednn = estimate.estimate(study(), calibration)
+    eigen = estimate.estimate(study(**{"runtime.onednn": False}), calibration)
+    table = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
+    column = estimate.workspace_reference_bytes(table, 16, (240, 240, 144))
+    scratchpad = estimate.onednn_scratchpad_bytes(table, 16, (240, 240, 144), threads=os.cpu_count() or 1)
     assert eigen["workspace"] - onednn["workspace"] == column - scratchpad
     assert column > 25 * GIB  # 27 x 32 channels x 4 B per voxel of one 240x240x144 sample
     # oneDNN's scratchpad instead: one sample of that convolution's input + one depth slice's patches.
@@ -301,10 +281,10 @@ def test_onednn_scratchpad_is_one_input_sample_and_one_slice_of_patches():
     # The first convolution of the top up block reads the 16-channel concatenation at full resolution:
     # measured on that op alone (Conv3DBackpropFilterV2, 160x152x104, 16 -> 8 channels) +191 MiB.
     expected = (160 * 152 * 104 * 16 + 27 * 16 * 152 * 104) * 4
-    assert planner.onednn_scratchpad_bytes(table, 1, (160, 152, 104)) == expected
+    assert estimate.onednn_scratchpad_bytes(table, 1, (160, 152, 104)) == expected
     assert 180 * 2**20 < expected < 181 * 2**20
     # Per sample, not per batch (oneDNN walks the batch one sample at a time on one thread) ...
-    assert planner.onednn_scratchpad_bytes(table, 4, (160, 152, 104), threads=2) == expected
+    assert estimate.onednn_scratchpad_bytes(table, 4, (160, 152, 104), threads=2) == expected
     # ... unless the slices are small and the batch has several samples: then one copy per thread, as
     # long as the copies stay under oneDNN's 1 GiB scratchpad limit (measured with 2 threads: 1024x16x16,
     # 32 channels: +44 MiB at batch 1, +77 MiB at batch 2 and 4; 1024x32x32 at batch 2: one copy).
@@ -315,50 +295,49 @@ def test_onednn_scratchpad_is_one_input_sample_and_one_slice_of_patches():
          "dtype": "float32", "kernel_dtype": "float32", "kernel_size": [3, 3, 3]},
     ]
     single = (1024 * 16 * 16 * 32 + 27 * 32 * 16 * 16) * 4  # 32.8 MiB
-    assert planner.onednn_scratchpad_bytes(one_conv, 1, (1024, 16, 16), threads=2) == single
-    assert planner.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=2) == 2 * single
-    assert planner.onednn_scratchpad_bytes(one_conv, 4, (1024, 16, 16), threads=2) == 2 * single
-    assert planner.onednn_scratchpad_bytes(one_conv, 2, (1024, 32, 32), threads=2) == \
+    assert estimate.onednn_scratchpad_bytes(one_conv, 1, (1024, 16, 16), threads=2) == single
+    assert estimate.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=2) == 2 * single
+    assert estimate.onednn_scratchpad_bytes(one_conv, 4, (1024, 16, 16), threads=2) == 2 * single
+    assert estimate.onednn_scratchpad_bytes(one_conv, 2, (1024, 32, 32), threads=2) == \
         (1024 * 32 * 32 * 32 + 27 * 32 * 32 * 32) * 4  # 512 rows per thread: one copy
-    assert planner.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=64) == single  # > 1 GiB
+    assert estimate.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=64) == single  # > 1 GiB
 
 
 def test_a_negative_slope_is_pinned_to_zero(tables):
-    from bigmem_train.calibration import fit_constants
 
     truth = Calibration(runtime_baseline_bytes=700 * 1024**2, activation_factor=1.2, workspace_factor=0.0)
     # Noise that alone would pull the workspace slope below zero.
     samples = synthetic_samples(truth, onednn=False, noise=lambda job: -30 * 1024**2 if job["batch"] == 1 else 0)
-    fitted = fit_constants(samples)
+    fitted = calibrate.fit_constants(samples)
     assert fitted.workspace_factor == 0.0
     assert fitted.activation_factor > 1.0
 
 
 def test_backward_walk_keeps_the_kept_tensors_and_adds_live_gradients():
     table = recorded_table("unet_depth3_filters8_float32")
-    kept, live = planner.backward_live_bytes(table, 1, (16, 16, 16), recompute=False)
-    kept_rules = planner.kept_tensors(table, 1, (16, 16, 16)).sizes
-    loss = planner.LOSS_KEPT_TENSORS * 16**3 * 4
+    kept, live = estimate.backward_live_bytes(table, 1, (16, 16, 16), recompute=False)
+    kept_rules = estimate.kept_tensors(table, 1, (16, 16, 16)).sizes
+    loss = estimate.LOSS_KEPT_TENSORS * 16**3 * 4
     assert kept == sum(kept_rules.values()) + loss
     # At the start of backward everything kept is alive with the loss gradient: at least that much.
     assert live >= kept + 16**3 * 4
     # Activation gradients never outnumber the activations: the peak stays within 2x of what is kept.
     assert live < 2 * kept
     # Both scale with the batch (every term is a batch-wide tensor).
-    kept_two, live_two = planner.backward_live_bytes(table, 2, (16, 16, 16), recompute=False)
+    kept_two, live_two = estimate.backward_live_bytes(table, 2, (16, 16, 16), recompute=False)
     assert (kept_two, live_two) == (2 * kept, 2 * live)
 
 
 def test_backward_walk_rebuilds_one_block_under_recomputation():
-    plain = planner.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
-    blocks = planner.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32_recompute"),
+    plain = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
+    blocks = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32_recompute"),
                                               batch_norm=True)
-    kept_plain, live_plain = planner.backward_live_bytes(plain, 1, (32, 32, 32), recompute=False)
-    kept_blocks, live_blocks = planner.backward_live_bytes(blocks, 1, (32, 32, 32), recompute=True)
+    kept_plain, live_plain = estimate.backward_live_bytes(plain, 1, (32, 32, 32), recompute=False)
+    kept_blocks, live_blocks = estimate.backward_live_bytes(blocks, 1, (32, 32, 32), recompute=True)
     assert kept_blocks < 0.7 * kept_plain
     assert live_blocks < live_plain
     # The rebuilt block comes on top of what crosses the boundaries.
-    internals = planner._recomputed_internals(blocks, planner.kept_tensors(blocks, 1, (32, 32, 32)))
+    internals = estimate._recomputed_internals(blocks, estimate.kept_tensors(blocks, 1, (32, 32, 32)))
     largest_block = max(sum(block.values()) for block in internals.values())
     assert live_blocks >= kept_blocks + largest_block
 
@@ -375,17 +354,17 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     user = tmp_path / "cache"
     monkeypatch.setenv("BIGMEM_CACHE_DIR", str(user))
     monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
-    assert planner.load_calibration().source in {str(planner.PACKAGED_CALIBRATION), Calibration().source}
+    assert constants.load_calibration().source in {str(constants.PACKAGED_CALIBRATION), Calibration().source}
     user.mkdir()
     (user / "calibration.json").write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 1,
                                                        "activation_factor": 1.2, "workspace_factor": 2.0}))
-    assert planner.load_calibration().workspace_factor == 2.0
+    assert constants.load_calibration().workspace_factor == 2.0
     override = tmp_path / "mine.json"
     override.write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 5, "activation_factor": 1.2,
                                     "workspace_factor": 3.0}))
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
-    assert planner.load_calibration().runtime_baseline_bytes == 5
-    assert planner.load_calibration().skipped == []
+    assert constants.load_calibration().runtime_baseline_bytes == 5
+    assert constants.load_calibration().skipped == []
 
 
 def test_a_calibration_file_of_the_earlier_model_is_passed_over_and_named(tmp_path, monkeypatch):
@@ -396,13 +375,13 @@ def test_a_calibration_file_of_the_earlier_model_is_passed_over_and_named(tmp_pa
     monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
     old = user / "calibration.json"
     old.write_text(json.dumps({"runtime_baseline_bytes": 1, "workspace_factor": 1.15}))
-    calibration = planner.load_calibration()
+    calibration = constants.load_calibration()
     assert calibration.source != str(old) and calibration.skipped == [str(old)]
     warning = calibration.warning(study())
     assert str(old) in warning and "--calibrate" in warning
     # Model 2 (an activation factor that also absorbed oneDNN's scratchpad, no "model" key): passed over.
     old.write_text(json.dumps({"runtime_baseline_bytes": 1, "activation_factor": 1.36, "workspace_factor": 1.0}))
-    assert planner.load_calibration().skipped == [str(old)]
-    old.write_text(json.dumps({"model": planner.MODEL_VERSION, "runtime_baseline_bytes": 1,
+    assert constants.load_calibration().skipped == [str(old)]
+    old.write_text(json.dumps({"model": constants.MODEL_VERSION, "runtime_baseline_bytes": 1,
                                "activation_factor": 1.27, "workspace_factor": 1.0}))
-    assert planner.load_calibration().source == str(old)
+    assert constants.load_calibration().source == str(old)

@@ -6,26 +6,22 @@ from pathlib import Path
 
 import pytest
 
-from bigmem_train import planner, preflight
+from bigmem_train import cli
+from bigmem_train.cli import commands
 from bigmem_train.config import load_config
 from bigmem_train.errors import DoesNotFit
 from bigmem_train.host import read_host_facts
-from bigmem_train.planner import Calibration, plan_job
+from bigmem_train.memory import preflight
+from bigmem_train.memory.plan import plan_job
+from tests.fixtures.common import TEST_CALIBRATION as CALIBRATION
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GIB = 1024**3
-CALIBRATION = Calibration(runtime_baseline_bytes=600 * 1024**2, workspace_factor=1.5, source="test")
 
 
 @pytest.fixture(autouse=True)
-def recorded_tables(monkeypatch):
-    def fake_layer_table(config):
-        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_{config.runtime.precision}"
-        return json.loads((FIXTURES / "layer_tables" / f"{name}.json").read_text())["table"]
-
-    for module in (planner, preflight):
-        monkeypatch.setattr(module, "layer_table", fake_layer_table)
-        monkeypatch.setattr(module, "load_calibration", lambda: CALIBRATION)
+def tables(recorded_tables):
+    """Recorded layer tables instead of building the model."""
 
 
 def host(name: str):
@@ -85,9 +81,7 @@ def test_bound_plan_is_checked_against_its_node():
 
 
 def test_preflight_command_prints_host_facts_and_exits_3(monkeypatch, capsys):
-    from bigmem_train import cli
-
-    monkeypatch.setattr(preflight, "read_host_facts", lambda: host("one_node_cgroup2"))
+    monkeypatch.setattr(commands, "read_host_facts", lambda: host("one_node_cgroup2"))
     code = cli.main(["preflight", "--config", "study"])
     captured = capsys.readouterr()
     assert code == 3
@@ -98,9 +92,7 @@ def test_preflight_command_prints_host_facts_and_exits_3(monkeypatch, capsys):
 
 
 def test_preflight_command_json(monkeypatch, capsys):
-    from bigmem_train import cli
-
-    monkeypatch.setattr(preflight, "read_host_facts", lambda: host("four_node_cxl_cgroup2"))
+    monkeypatch.setattr(commands, "read_host_facts", lambda: host("four_node_cxl_cgroup2"))
     code = cli.main(["preflight", "--config", "study", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["fits"] is True

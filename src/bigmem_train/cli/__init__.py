@@ -1,22 +1,24 @@
 """``bigmem-train``: plan, preflight, train, validate and report a 3D U-Net job.
 
-The CLI only parses flags and wires the stages together; each stage lives in its own module and
-TensorFlow is imported only by the stages that train.
+The CLI layer: this module parses flags and turns errors into one line and an exit code;
+:mod:`.commands` runs each command and :mod:`.output` formats what it prints; :mod:`.remote` is
+``bigmem-train remote``. TensorFlow is imported only by the stages that train.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 
 from pydantic import ValidationError
 
-from . import __version__
-from .config import Config, FootprintConfig, load_config, parse_override
-from .errors import EXIT_BAD_INPUT, BadInput, BigmemError
+from .. import __version__
+from ..config import Config, FootprintConfig, load_config, parse_override
+from ..errors import BadInput, BigmemError
+from . import commands
+from . import remote as remote_cli
 
 PROG = "bigmem-train"
 
@@ -99,8 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     render.add_argument("--list", action="store_true", help="list the templates")
 
-    from . import remote_cli
-
     remote_cli.add_parser(sub)
     return parser
 
@@ -154,60 +154,20 @@ def main(argv: list[str] | None = None) -> int:
 def dispatch(args: argparse.Namespace) -> int:
     command = args.command
     if command in {"run", "train"}:
-        from .pipeline import run_job
-
-        return run_job(load_job_config(args), validate_and_report=command == "run")
+        return commands.run_command(load_job_config(args), validate_and_report=command == "run")
     if command == "validate":
-        from .validate import validate_command
-
-        return validate_command(Path(args.run_dir))
+        return commands.validate_command(Path(args.run_dir))
     if command == "report":
-        from .report import write_report
-
-        path = write_report(Path(args.run_dir))
-        print(f"report: {path}")
-        return 0
+        return commands.report_command(Path(args.run_dir))
     if command == "synth":
-        from .synth import write_synthetic_dataset
-
-        shape = _parse_shape(args.shape)
-        if args.cases < 1:
-            raise BadInput(f"--cases {args.cases}: need at least 1 case")
-        path = write_synthetic_dataset(Path(args.out), cases=args.cases, shape=shape, seed=args.seed)
-        print(f"synthetic dataset: {path}")
-        return 0
+        return commands.synth_command(Path(args.out), args.cases, args.shape, args.seed)
     if command == "plan":
-        from .planner import plan_command
-
-        return plan_command(load_job_config(args), as_json=args.json, calibrate=args.calibrate)
+        return commands.plan_command(load_job_config(args), as_json=args.json, calibrate_first=args.calibrate)
     if command == "preflight":
-        from .preflight import preflight_command
-
-        return preflight_command(load_job_config(args), as_json=args.json)
+        return commands.preflight_command(load_job_config(args), as_json=args.json)
     if command == "render":
-        from .render import render_command
-
-        return render_command(args)
+        return commands.render_command(args)
     if command == "remote":
-        from . import remote_cli
-
         return remote_cli.dispatch(args)
     raise BadInput(f"unknown command {command!r}")
 
-
-def _parse_shape(text: str) -> tuple[int, int, int]:
-    try:
-        shape = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise BadInput(f"--shape {text!r}: expected three integers X,Y,Z") from None
-    if len(shape) != 3 or any(edge < 1 for edge in shape):
-        raise BadInput(f"--shape {text!r}: expected three positive integers X,Y,Z")
-    return shape  # type: ignore[return-value]
-
-
-def print_json(data: object) -> None:
-    print(json.dumps(data, indent=2, default=str))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,6 +10,9 @@ import argparse
 import json
 import os
 
+from .. import remote
+from ..errors import BadInput
+
 DEFAULT_INVENTORY_ENV = "BIGMEM_TRAIN_INVENTORY"
 
 EPILOG = ("Exit codes: 0 done, 2 bad input (unknown host or group, no such job, bad config or name), "
@@ -87,9 +90,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    from . import remote
-    from .errors import BadInput
-
     action = getattr(args, "remote_command", None)
     if action is None:
         raise BadInput("remote: give an action: start, status, logs, stop, fetch, tf-config, hosts "

@@ -1,7 +1,7 @@
 """Measure real peak memory of a few training steps, and fit the planner's machine constants.
 
-``measure_peak(config)`` runs the job in a child process (``python -m bigmem_train.calibration``) under
-the runtime a real run has (``pipeline.runtime_environment``: the oneDNN switch, the configured
+``measure_peak(config)`` runs the job in a child process (``python -m bigmem_train.memory.calibrate``) under
+the runtime a real run has (``launch.runtime_environment``: the oneDNN switch, the configured
 allocator preloaded; the run's intra/inter-op threads): TensorFlow is imported there, the model is
 built by ``model.compile_model``, ``model.fit`` runs a few steps on random data of the right shape held
 in memory (one batch, repeated), and the child reports its peak resident memory (``VmHWM``), the
@@ -17,19 +17,26 @@ writes the constants, the model they belong to and the runtime they were measure
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .config import Config, load_config
-from .errors import BadInput
-from .host import preloaded_allocator
-from .planner import MODEL_VERSION, Calibration, breakdown_for, calibration_path_for_user, layer_table
+import numpy as np
+
+from ..config import Config, load_config
+from ..errors import BadInput
+from ..host import preloaded_allocator, read_host_facts
+from ..launch import choose_threads, runtime_environment
+from . import layers
+from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
+from .estimate import breakdown_for
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
 # 8 and 16 filters, depths 3..4, peaks from 0.9 to about 2.7 GiB. The two larger jobs are there because
@@ -68,7 +75,7 @@ def in_memory_input_bytes(config: Config) -> int:
 
 def predicted_for_measurement(config: Config, calibration: Calibration) -> dict[str, int]:
     """The planner's breakdown for the measuring child (its input is one in-memory batch, not a reader)."""
-    breakdown = breakdown_for(config, layer_table(config), calibration, config.training.batch_size,
+    breakdown = breakdown_for(config, layers.layer_table(config), calibration, config.training.batch_size,
                               tuple(config.data.input_shape))
     breakdown["input_pipeline"] = in_memory_input_bytes(config)
     return breakdown
@@ -76,14 +83,12 @@ def predicted_for_measurement(config: Config, calibration: Calibration) -> dict[
 
 def measure_peak(config: Config, steps: int = 3, timeout: float = 1800) -> dict[str, Any]:
     """Run ``steps`` training steps of ``config`` in a child process; return its measured peak RSS etc."""
-    from .pipeline import runtime_environment
-
     # The runtime a real run has (bigmem-train run re-executes itself the same way): oneDNN switch and
     # the allocator preloaded; the child sets the run's threads itself.
     env = dict(runtime_environment(config), TF_CPP_MIN_LOG_LEVEL="3")
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "bigmem_train.calibration", "--measure", str(steps)],
+        [sys.executable, "-m", "bigmem_train.memory.calibrate", "--measure", str(steps)],
         input=config.model_dump_json(), capture_output=True, text=True, env=env, timeout=timeout,
     )
     if result.returncode != 0:
@@ -104,8 +109,6 @@ def status_bytes(field: str) -> int:
 def tcmalloc_stats() -> dict[str, int]:
     """gperftools' heap counters (bytes) when tcmalloc is preloaded, else {}: what the program holds
     (allocated), what tcmalloc keeps mapped for reuse (free in the page heap) and what it returned."""
-    import ctypes
-
     try:
         library = ctypes.CDLL(None)
         get = library.MallocExtension_GetNumericProperty
@@ -131,16 +134,12 @@ def reset_peak() -> None:
 
 def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
     """The child's side: build, compile and fit on one random in-memory batch; report VmHWM."""
-    import numpy as np
-
     rss_start = status_bytes("VmRSS")
     import tensorflow as tf
 
-    from .host import read_host_facts
-    from .model import compile_model
-    from .train import choose_threads
+    from ..model import compile_model
 
-    # The threads a real run uses (train.choose_threads): inter-op parallelism changes which backward
+    # The threads a real run uses (launch.choose_threads): inter-op parallelism changes which backward
     # buffers coexist, so the measurement must match it.
     intra, inter = choose_threads(config, read_host_facts())
     tf.config.threading.set_intra_op_parallelism_threads(intra)
@@ -291,7 +290,7 @@ def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = No
         "how": f"{len(records)} measurements ({repeats} of each job), each in its own process: model.fit, 3 steps "
                "on random in-memory data, "
                "the run's runtime (oneDNN switch, allocator preloaded, threads), peak RSS (VmHWM)",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **runtime_record(base, measured),
         "jobs": records,
     })
@@ -306,7 +305,7 @@ def _main(argv: list[str]) -> int:
         steps = int(argv[1]) if len(argv) > 1 else 3
         print(json.dumps(_measure_in_this_process(config, steps)))
         return 0
-    print("usage: python -m bigmem_train.calibration --measure STEPS < config.json", file=sys.stderr)
+    print("usage: python -m bigmem_train.memory.calibrate --measure STEPS < config.json", file=sys.stderr)
     return 2
 
 

@@ -1,0 +1,111 @@
+"""The commands behind ``bigmem-train``: each takes parsed arguments, calls the stages, prints for a
+person (or JSON for scripts) and returns the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import Config
+from ..errors import EXIT_FAIL, EXIT_PASS, BadInput
+from ..host import read_host_facts
+from ..memory.calibrate import calibrate
+from ..memory.plan import plan_job
+from ..memory.preflight import check_fits, usable_bytes
+from ..pipeline import run_job
+from ..render import host_variables, list_templates, parse_variables, render
+from ..report import write_report
+from ..sizes import format_bytes, gib
+from ..synth import write_synthetic_dataset
+from ..validate import format_verdict, validate_run
+from .output import format_host, format_plan, host_summary
+
+
+def run_command(config: Config, validate_and_report: bool) -> int:
+    """``bigmem-train run`` / ``train``: the whole job (see :func:`bigmem_train.pipeline.run_job`)."""
+    return run_job(config, validate_and_report=validate_and_report)
+
+
+def plan_command(config: Config, as_json: bool, calibrate_first: bool) -> int:
+    """``bigmem-train plan``: print the breakdown (and the sized job with a target)."""
+    if calibrate_first:
+        path = calibrate(config, log=None if as_json else print)
+        if not as_json:
+            print(f"calibration stored: {path}")
+    plan = plan_job(config, read_host_facts())
+    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
+    return 0
+
+
+def preflight_command(config: Config, as_json: bool) -> int:
+    """``bigmem-train preflight``: print host facts and the fit decision; exit 3 when it does not fit."""
+    host = read_host_facts()
+    plan = plan_job(config, host)
+    usable = usable_bytes(plan, host)
+    fits = plan.peak_bytes <= usable
+    if as_json:
+        print(json.dumps({"host": host_summary(host), "plan": plan.to_dict(),
+                          "usable": {"bytes": usable, "gib": gib(usable)}, "fits": fits}, indent=2))
+    else:
+        print(format_host(host))
+        print(f"plan: peak {format_bytes(plan.peak_bytes)}, usable {format_bytes(usable)} "
+              f"(safety margin {config.footprint.safety_margin:.0%}); placement {plan.placement.policy}")
+    check_fits(plan, host)
+    if not as_json:
+        print("fits: yes")
+    return 0
+
+
+def validate_command(run_dir: Path) -> int:
+    """``bigmem-train validate RUN_DIR``: exit 0 PASS, 1 FAIL."""
+    verdict = validate_run(run_dir)
+    print(format_verdict(verdict))
+    return EXIT_PASS if verdict.passed else EXIT_FAIL
+
+
+def report_command(run_dir: Path) -> int:
+    print(f"report: {write_report(run_dir)}")
+    return 0
+
+
+def synth_command(out: Path, cases: int, shape_text: str, seed: int) -> int:
+    shape = parse_shape(shape_text)
+    if cases < 1:
+        raise BadInput(f"--cases {cases}: need at least 1 case")
+    path = write_synthetic_dataset(out, cases=cases, shape=shape, seed=seed)
+    print(f"synthetic dataset: {path}")
+    return 0
+
+
+def parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise BadInput(f"--shape {text!r}: expected three integers X,Y,Z") from None
+    if len(shape) != 3 or any(edge < 1 for edge in shape):
+        raise BadInput(f"--shape {text!r}: expected three positive integers X,Y,Z")
+    return shape  # type: ignore[return-value]
+
+
+def render_command(args: argparse.Namespace) -> int:
+    """``bigmem-train render [TEMPLATE] [--var K=V ...] [--out FILE] [--list]``."""
+    if args.list:
+        for name in list_templates():
+            print(name)
+        return 0
+    variables = host_variables(read_host_facts())
+    variables.update(parse_variables(args.variables))
+    text = render(args.template, variables)
+    if args.out and args.out != "-":
+        out = Path(args.out)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
+        except OSError as error:
+            raise BadInput(f"--out {args.out}: {error.strerror}") from None
+        print(f"rendered {args.template}: {out}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0

@@ -1,0 +1,121 @@
+"""The planner's machine constants (runtime baseline, activation factor, workspace factor) and the
+file they live in: ``$BIGMEM_CALIBRATION``, the user's cache, or the packaged ``calibration.json``.
+
+They are measured by ``bigmem-train plan --calibrate`` (:mod:`bigmem_train.memory.calibrate`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config
+from .layers import cache_dir
+
+
+@dataclass
+class Calibration:
+    """The machine constants of the model, measured by ``bigmem-train plan --calibrate``.
+
+    Each is fitted for one runtime (oneDNN on or off, allocator, TensorFlow version; recorded in
+    ``measured``): the kernels decide what a convolution allocates.
+    """
+
+    # Resident memory of the training process that does not scale with the job: Python, TensorFlow,
+    # oneDNN and its thread pools, the traced graph.
+    runtime_baseline_bytes: int = 870 * 1024**2
+    # Resident bytes per byte of tensors alive at the backward peak (activations kept for backward and
+    # the activation gradients alive with them, ``backward_live_bytes``): 1 would be a perfect allocator
+    # and no op temporaries.
+    activation_factor: float = 1.0
+    # Column buffers of TensorFlow's own (Eigen) Conv3D backward kernels (runtime.onednn false), as a
+    # multiple of the largest convolution's patch matrix for one sample (``workspace_reference_bytes``):
+    # about 1, those kernels build that matrix a sample or two at a time. oneDNN's build none: a
+    # calibration under oneDNN cannot measure it and keeps this built-in value, used only by jobs with
+    # oneDNN off.
+    workspace_factor: float = 1.0
+    source: str = "built-in defaults (not calibrated)"
+    measured: dict[str, Any] = field(default_factory=dict)
+    # Calibration files passed over on the way to this one: fitted for the model before the activation
+    # factor (no ``activation_factor``), whose baseline and workspace factor mean something else.
+    skipped: list[str] = field(default_factory=list)
+
+    def warning(self, config: Config) -> str | None:
+        """What the plan should warn about these constants for ``config`` (files passed over, another
+        runtime), or None."""
+        warnings = []
+        if self.skipped:
+            warnings.append(f"passed over {', '.join(self.skipped)} (made for the planner's earlier model; "
+                            "rerun `bigmem-train plan --calibrate`)")
+        mismatch = self.runtime_mismatch(config)
+        if mismatch:
+            warnings.append(mismatch)
+        return "; ".join(warnings) or None
+
+    def runtime_mismatch(self, config: Config) -> str | None:
+        """Why these constants may not fit ``config``'s runtime (oneDNN switch, allocator), or None."""
+        differences = []
+        onednn = self.measured.get("onednn")
+        if isinstance(onednn, bool) and onednn != config.runtime.onednn:
+            differences.append(f"oneDNN {'on' if onednn else 'off'}")
+        allocator = self.measured.get("allocator")
+        if allocator and allocator != config.runtime.allocator:
+            differences.append(f"allocator {allocator}")
+        if not differences:
+            return None
+        return (f"fitted with {' and '.join(differences)}, this job runs with oneDNN "
+                f"{'on' if config.runtime.onednn else 'off'} and {config.runtime.allocator}; "
+                "rerun `bigmem-train plan --calibrate` with its runtime")
+
+
+PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
+
+# The memory model a calibration file's constants were fitted for (its "model" key): 1 had a workspace
+# factor and no activation factor, 2 the activation factor, 3 also counts oneDNN's backward-weights
+# scratchpad (``onednn_scratchpad_bytes``), which model 2's activation factor had absorbed.
+MODEL_VERSION = 3
+
+
+def _model_version(data: dict[str, Any]) -> int:
+    if "activation_factor" not in data:
+        return 1
+    return int(data.get("model", 2))
+
+
+def calibration_path_for_user() -> Path:
+    return cache_dir() / "calibration.json"
+
+
+def load_calibration() -> Calibration:
+    """$BIGMEM_CALIBRATION, else the user's ``~/.cache/bigmem-train/calibration.json``, else the packaged file.
+
+    A file written by ``plan --calibrate`` for one of the planner's earlier models (``MODEL_VERSION``:
+    without ``activation_factor``, or with a factor that also absorbed oneDNN's scratchpad) is passed
+    over, and named in ``skipped`` so the plan can say so.
+    """
+    candidates = []
+    if os.environ.get("BIGMEM_CALIBRATION"):
+        candidates.append(Path(os.environ["BIGMEM_CALIBRATION"]))
+    candidates += [calibration_path_for_user(), PACKAGED_CALIBRATION]
+    skipped = []
+    for path in candidates:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or _model_version(data) < MODEL_VERSION:
+            skipped.append(str(path))
+            continue
+        return Calibration(
+            runtime_baseline_bytes=int(data["runtime_baseline_bytes"]),
+            activation_factor=float(data["activation_factor"]),
+            workspace_factor=float(data["workspace_factor"]),
+            source=str(path),
+            measured=data.get("measured", {}),
+            skipped=skipped,
+        )
+    return Calibration(skipped=skipped)
+

@@ -1,0 +1,109 @@
+"""The plan of one job: sized to its target, its predicted peak and breakdown, its NUMA placement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Config
+from ..distribute import per_worker_batch_size, planned_workers
+from ..errors import BadInput
+from ..host import HostFacts
+from ..sizes import format_bytes, gib
+from . import constants, layers
+from .constants import Calibration
+from .estimate import breakdown_for
+from .placement import Placement, decide_placement
+from .sizing import resolve_target, size_to_target, with_job_size
+
+
+@dataclass
+class JobPlan:
+    """The job after sizing, its predicted peak and breakdown, and its placement."""
+
+    config: Config
+    peak_bytes: int
+    breakdown: dict[str, int]
+    target_bytes: int | None
+    placement: Placement
+    original_batch_size: int = 0
+    original_input_shape: tuple[int, int, int] = (0, 0, 0)
+    calibration_source: str = ""
+    # Set when the constants were fitted under another runtime (oneDNN switch, allocator) than this job's,
+    # or a calibration file was passed over (``Calibration.warning``).
+    calibration_warning: str | None = None
+    # Multi-worker: the plan is per host (one replica and its share of the global batch each).
+    workers: int = 1
+
+    @classmethod
+    def from_dict(cls, config: Config, data: dict[str, Any]) -> JobPlan:
+        """The plan ``to_dict`` wrote (plan.json, the launcher's hand-off) for the sized ``config``."""
+        return cls(
+            config=config,
+            peak_bytes=int(data["peak_bytes"]),
+            breakdown={key: int(value["bytes"]) for key, value in data["breakdown"].items()},
+            target_bytes=data.get("target_bytes"),
+            placement=Placement.from_dict(data["placement"]),
+            original_batch_size=int(data.get("original_batch_size", 0)),
+            original_input_shape=tuple(data.get("original_input_shape", (0, 0, 0))),
+            calibration_source=data.get("calibration", ""),
+            calibration_warning=data.get("calibration_warning"),
+            workers=int(data.get("workers", 1)),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "workers": self.workers,
+            "batch_size_per_worker": self.config.training.batch_size // self.workers,
+            "peak_bytes": self.peak_bytes,
+            "peak_gib": gib(self.peak_bytes),
+            "target_bytes": self.target_bytes,
+            "target_gib": gib(self.target_bytes) if self.target_bytes is not None else None,
+            "batch_size": self.config.training.batch_size,
+            "input_shape": list(self.config.data.input_shape),
+            "original_batch_size": self.original_batch_size,
+            "original_input_shape": list(self.original_input_shape),
+            "precision": self.config.runtime.precision,
+            "recompute": self.config.model.recompute,
+            "breakdown": {key: {"bytes": value, "gib": gib(value)} for key, value in self.breakdown.items()},
+            "placement": self.placement.to_dict(),
+            "calibration": self.calibration_source,
+            "calibration_warning": self.calibration_warning,
+        }
+
+
+def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | None = None) -> JobPlan:
+    """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement."""
+    calibration = calibration or constants.load_calibration()
+    table = layers.layer_table(config)
+    target = resolve_target(config, host)
+    # A multi-worker job is planned per host: each worker holds a whole replica and computes
+    # batch_size / workers samples; the target is per host too.
+    workers = planned_workers(config)
+    per_host = with_job_size(config, per_worker_batch_size(config, workers), tuple(config.data.input_shape))
+    sized = config
+    if target is not None:
+        batch, shape = size_to_target(per_host, target, table, calibration)
+        sized = with_job_size(config, batch * workers, shape)
+    breakdown = breakdown_for(sized, table, calibration, sized.training.batch_size // workers,
+                              tuple(sized.data.input_shape))
+    if workers > 1:
+        # The all-reduce packs the gradients into buffers of their size once more.
+        breakdown["allreduce_buffers"] = breakdown["gradients"]
+    peak = sum(breakdown.values())
+    if target is not None and peak > target * (1 + config.footprint.tolerance):
+        # Sizing fell back to the smallest job it may make, and even that misses the target: a run
+        # would train and then fail its footprint check, so the target is refused before any work.
+        shape = "x".join(map(str, sized.data.input_shape))
+        raise BadInput(
+            f"footprint.target {format_bytes(target)} is below the smallest job this config can be sized to "
+            f"(resize: {config.footprint.resize}): input {shape}, batch {sized.training.batch_size} is predicted "
+            f"at {format_bytes(peak)}; set a target of at least that")
+    if host is not None:
+        placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
+    else:
+        placement = Placement("none", [], [], "no host facts")
+    return JobPlan(sized, peak, breakdown, target, placement, config.training.batch_size,
+                   tuple(config.data.input_shape), calibration.source, calibration.warning(config),
+                   workers)
+

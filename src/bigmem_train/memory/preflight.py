@@ -1,0 +1,65 @@
+"""Preflight: read the host and refuse, in seconds, a plan the planner expects to be killed.
+
+Available memory is the smaller of MemAvailable (which already leaves out static hugepages: TensorFlow's
+allocator cannot use them) and the cgroup limit; ``footprint.safety_margin`` of it is kept free. Swap is
+reported but not counted: a training step that pages is a step that never ends.
+"""
+
+from __future__ import annotations
+
+from ..errors import DoesNotFit
+from ..host import HostFacts
+from ..sizes import format_bytes
+from . import constants, layers
+from .plan import JobPlan
+from .sizing import largest_batch, largest_shape
+
+
+def usable_bytes(plan: JobPlan, host: HostFacts) -> int:
+    """What the job may take: available memory (capped by the cgroup limit) less the safety margin; when
+    the plan binds to one node, that node's available memory less the margin."""
+    margin = plan.config.footprint.safety_margin
+    available = host.effective_memory_bytes
+    if plan.placement.policy == "bind":
+        nodes = {node.node_id: node for node in host.numa_nodes}
+        node_available = sum(nodes[n].memory_available_bytes for n in plan.placement.nodes if n in nodes)
+        if node_available:
+            available = min(available, node_available)
+    return int(available * (1.0 - margin))
+
+
+def largest_fitting(plan: JobPlan, limit_bytes: int) -> tuple[int, tuple[int, int, int] | None]:
+    """(largest batch at the plan's shape, largest shape at batch 1) within ``limit_bytes``."""
+    config = plan.config
+    table = layers.layer_table(config)
+    calibration = constants.load_calibration()
+    batch = largest_batch(config, table, calibration, tuple(config.data.input_shape), limit_bytes)
+    shape = largest_shape(config, table, calibration, 1, limit_bytes, ceiling=tuple(config.data.input_shape))
+    return batch, shape
+
+
+def check_fits(plan: JobPlan, host: HostFacts) -> None:
+    """Raise :class:`DoesNotFit` when the plan's predicted peak exceeds what the host leaves it."""
+    usable = usable_bytes(plan, host)
+    if plan.peak_bytes <= usable:
+        return
+    margin = plan.config.footprint.safety_margin
+    parts = [
+        f"predicted peak {format_bytes(plan.peak_bytes)} exceeds {format_bytes(usable)} usable "
+        f"(available {format_bytes(host.effective_memory_bytes)} less the {margin:.0%} safety margin)",
+    ]
+    if host.cgroup_limit_bytes:
+        parts.append(f"cgroup v{host.cgroup_version} limit {format_bytes(host.cgroup_limit_bytes)}")
+    if host.static_hugepages_bytes:
+        parts.append(f"{format_bytes(host.static_hugepages_bytes)} held by static hugepages")
+    batch, shape = largest_fitting(plan, usable)
+    config = plan.config
+    shape_text = "x".join(map(str, config.data.input_shape))
+    if batch >= 1:
+        parts.append(f"largest batch that fits at {shape_text}: {batch}")
+    else:
+        parts.append(f"not even batch 1 fits at {shape_text}")
+    if shape:
+        parts.append(f"largest input shape that fits at batch 1: {'x'.join(map(str, shape))}")
+    parts.append("lower training.batch_size or data.input_shape, or set footprint.target")
+    raise DoesNotFit("; ".join(parts))
