@@ -153,6 +153,10 @@ class FootprintConfig(_Section):
     safety_margin: float = Field(0.10, ge=0.0, lt=1.0)
     # What the planner may change to reach the target.
     resize: Literal["batch", "shape", "both"] = "both"
+    # "auto": when the job as configured misses its target (or, without one, the host's memory), apply the
+    # cheapest lever that keeps its batch and shape (gradient recomputation; bfloat16 where the CPU has it
+    # natively) before resizing anything. "off": only resize.
+    levers: Literal["off", "auto"] = "off"
 
     @field_validator("target")
     @classmethod

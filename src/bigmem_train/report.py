@@ -84,6 +84,27 @@ def _load(path: Path) -> dict:
         return {}
 
 
+def _gib(value) -> str:
+    return f"{value / GIB:,.2f} GiB" if isinstance(value, (int, float)) else "-"
+
+
+def _planned_memory_rows(plan: dict, metrics: dict) -> str:
+    """The plan's breakdown, rounded for a person, and the planned peak next to the measured one."""
+    breakdown = plan.get("breakdown") or {}
+    if not breakdown:
+        return ""
+    rows = ["<tr><th>component</th><th>planned</th><th>measured</th></tr>"]
+    for key, value in breakdown.items():
+        planned = value.get("bytes") if isinstance(value, dict) else value  # plan.json: {bytes, gib}
+        rows.append(f"<tr><td>{html.escape(key.replace('_', ' '))}</td><td>{_gib(planned)}</td><td></td></tr>")
+    planned_peak, measured_peak = plan.get("peak_bytes"), metrics.get("peak_rss_bytes")
+    error = ""
+    if planned_peak and measured_peak:
+        error = f" ({(planned_peak - measured_peak) / measured_peak:+.1%} planned vs measured)"
+    rows.append(f"<tr><th>peak</th><th>{_gib(planned_peak)}</th><th>{_gib(measured_peak)}{error}</th></tr>")
+    return "\n".join(rows)
+
+
 def write_report(run_dir: Path) -> Path:
     """Write RUN_DIR/report.html (and memory.png, training.png); returns the HTML path."""
     run_dir = Path(run_dir)
@@ -123,8 +144,7 @@ def write_report(run_dir: Path) -> Path:
         f"<li class={'ok' if item['passed'] else 'fail'}>{'&#10003;' if item['passed'] else '&#10007;'} "
         f"<b>{html.escape(item['name'])}</b>: {html.escape(item['detail'])}</li>"
         for item in verdict.get("criteria", []))
-    breakdown = "\n".join(f"<tr><th>{html.escape(key)}</th><td>{html.escape(size(value))}</td></tr>"
-                          for key, value in (plan.get("breakdown") or {}).items())
+    breakdown = _planned_memory_rows(plan, metrics)
     figures = "\n".join(f'<img src="{path.name}" alt="{path.stem}">' for path in images)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>bigmem-train run {html.escape(run_dir.name)}</title>

@@ -79,15 +79,24 @@ def evaluate(run_dir: Path) -> Verdict:
         f"best validation {config.validation.dice_metric} Dice {best:.4f} vs floor {floor}" if best is not None
         else f"no validation {config.validation.dice_metric} Dice recorded"))
 
+    memory = read_memory_csv(run_dir / "memory.csv")
+    peak = max([int(metrics.get("peak_rss_bytes") or 0)] + [int(row.get("rss_bytes", 0)) for row in memory])
+    tolerance = config.footprint.tolerance
     target = metrics.get("target_bytes")
     if target:
-        memory = read_memory_csv(run_dir / "memory.csv")
-        peak = max([int(metrics.get("peak_rss_bytes") or 0)] + [int(row.get("rss_bytes", 0)) for row in memory])
-        tolerance = config.footprint.tolerance
         distance = abs(peak - target) / target
         criteria.append(Criterion(
             "footprint", distance <= tolerance,
             f"peak {format_bytes(peak)} vs target {format_bytes(target)}: {distance:.1%} off, tolerance {tolerance:.0%}"))
+    planned = metrics.get("planned_peak_bytes")
+    if planned and peak:
+        # Every run checks the planner: a plan off by more than the tolerance would let preflight accept a
+        # job that the host cannot hold (under) or refuse one it can (over).
+        error = (planned - peak) / peak
+        criteria.append(Criterion(
+            "plan", abs(error) <= tolerance,
+            f"planned {format_bytes(planned)} vs measured peak {format_bytes(peak)}: {error:+.1%} "
+            f"({'under' if error < 0 else 'over'}-predicted), tolerance {tolerance:.0%}"))
 
     verdict = "PASS" if all(criterion.passed for criterion in criteria) else "FAIL"
     return Verdict(verdict, criteria, str(run_dir))

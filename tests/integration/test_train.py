@@ -36,6 +36,14 @@ def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
     assert metrics["peak_rss_bytes"] > 200 * 2**20
     assert metrics["voxels_per_second"] > 0 and metrics["median_step_seconds"] > 0
     assert metrics["onednn_enabled"] in (True, False)
+    # Every run checks the planner: the whole run's measured peak within footprint.tolerance of the plan.
+    verdict = json.loads((run_dir / "verdict.json").read_text())
+    plan_check = next(criterion for criterion in verdict["criteria"] if criterion["name"] == "plan")
+    assert plan_check["passed"], plan_check["detail"]
+    assert abs(metrics["planned_vs_measured_error"]) <= 0.10
+    # The kit's progress lines, not TensorFlow's start-up noise.
+    assert "tracing the training step" in result.stdout and "epoch 1/6 done in" in result.stdout
+    assert "absl::InitializeLog" not in result.stderr and "cuInit" not in result.stderr
     with open(run_dir / "history.csv") as handle:
         dice = [float(row["val_hard_dice"]) for row in csv.DictReader(handle)]
     assert max(dice[-3:]) > dice[0] + 0.1, f"validation Dice did not clearly rise: {dice}"

@@ -242,7 +242,7 @@ def synthetic_samples(truth, onednn=True, noise=lambda job: 0):
     samples = []
     for job in FIT_JOBS:
         config = calibrate.job_config(base, **job)
-        samples.append((config, sum(calibrate.predicted_for_measurement(config, truth).values()) + noise(job)))
+        samples.append((config, sum(calibrate.predicted_for_run(config, truth).values()) + noise(job)))
     return samples
 
 
@@ -263,7 +263,21 @@ def test_calibration_fit_recovers_known_constants(tables):
     assert fitted.workspace_factor == pytest.approx(0.92, abs=1e-3)
 
 
-def test_the_column_buffer_counts_only_with_tensorflows_own_kernels(tables):
+def test_the_onednn_scratchpad_counts_only_where_onednn_runs_its_gemm_filter_gradient(tables, monkeypatch):
+    assert estimate.onednn_uses_gemm_backward_weights(frozenset({"avx2", "fma"}))
+    assert not estimate.onednn_uses_gemm_backward_weights(
+        frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_bf16"}))
+    monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: True)
+    avx2 = estimate.estimate(study(**{"training.batch_size": 1}), CALIBRATION)
+    monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: False)
+    avx512 = estimate.estimate(study(**{"training.batch_size": 1}), CALIBRATION)
+    table = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
+    scratchpad = estimate.onednn_scratchpad_bytes(table, 1, (240, 240, 144), threads=os.cpu_count() or 1)
+    assert avx2["workspace"] - avx512["workspace"] == scratchpad > 2**30
+
+
+def test_the_column_buffer_counts_only_with_tensorflows_own_kernels(tables, monkeypatch):
+    monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: True)  # an AVX2 CPU
     calibration = Calibration(runtime_baseline_bytes=0, activation_factor=1.0, workspace_factor=1.0)
     onednn = estimate.estimate(study(), calibration)
     eigen = estimate.estimate(study(**{"runtime.onednn": False}), calibration)
@@ -356,11 +370,11 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
     assert constants.load_calibration().source in {str(constants.PACKAGED_CALIBRATION), Calibration().source}
     user.mkdir()
-    (user / "calibration.json").write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 1,
+    (user / "calibration.json").write_text(json.dumps({"model": constants.MODEL_VERSION, "runtime_baseline_bytes": 1,
                                                        "activation_factor": 1.2, "workspace_factor": 2.0}))
     assert constants.load_calibration().workspace_factor == 2.0
     override = tmp_path / "mine.json"
-    override.write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 5, "activation_factor": 1.2,
+    override.write_text(json.dumps({"model": constants.MODEL_VERSION, "runtime_baseline_bytes": 5, "activation_factor": 1.2,
                                     "workspace_factor": 3.0}))
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
     assert constants.load_calibration().runtime_baseline_bytes == 5
@@ -382,6 +396,47 @@ def test_a_calibration_file_of_the_earlier_model_is_passed_over_and_named(tmp_pa
     # Model 2 (an activation factor that also absorbed oneDNN's scratchpad, no "model" key): passed over.
     old.write_text(json.dumps({"runtime_baseline_bytes": 1, "activation_factor": 1.36, "workspace_factor": 1.0}))
     assert constants.load_calibration().skipped == [str(old)]
+    # Model 3 (fitted on a bare model.fit, not whole runs): passed over.
+    old.write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 1, "activation_factor": 1.27,
+                               "workspace_factor": 1.0}))
+    assert constants.load_calibration().skipped == [str(old)]
     old.write_text(json.dumps({"model": constants.MODEL_VERSION, "runtime_baseline_bytes": 1,
                                "activation_factor": 1.27, "workspace_factor": 1.0}))
     assert constants.load_calibration().source == str(old)
+
+
+def test_levers_come_cheapest_first_and_each_really_fits(tables):
+    from bigmem_train.memory.levers import RECOMPUTE_STEP_FACTOR, levers_to_fit
+
+    config = study(**{"training.batch_size": 4, "footprint.levers": "off"})
+    full = sum(estimate.estimate(config, CALIBRATION).values())
+    recomputed = sum(estimate.estimate(study(**{"training.batch_size": 4, "model.recompute": True}),
+                                       CALIBRATION).values())
+    limit = (full + recomputed) // 2  # recomputation fits, the job as configured does not
+    found = levers_to_fit(config, limit, layers.layer_table, CALIBRATION, cpu_flags=["avx2"])
+    assert [lever.change for lever in found][:1] == ["model.recompute: true"]
+    assert found[0].peak_bytes == recomputed and found[0].step_time_factor == RECOMPUTE_STEP_FACTOR
+    assert [lever.keeps_job for lever in found] == [True, False, False]
+    assert found[1].change.startswith("training.batch_size: ") and found[2].change.startswith("data.input_shape: ")
+    for lever in found:
+        assert lever.peak_bytes <= limit
+        assert lever.peak_bytes == sum(estimate.estimate(lever.config, CALIBRATION).values())
+    # No native bfloat16 (AVX2 only): not offered; with AMX it is, its step time unmeasured here.
+    assert not any("bfloat16" in lever.change for lever in found)
+    with_amx = levers_to_fit(config, limit, layers.layer_table, CALIBRATION, cpu_flags=["avx2", "amx_bf16"])
+    bf16 = [lever for lever in with_amx if lever.change == "runtime.precision: mixed_bfloat16"]
+    assert all(lever.step_time_factor is None for lever in bf16)
+    # A job that fits needs no lever.
+    assert levers_to_fit(config, full, layers.layer_table, CALIBRATION, cpu_flags=["avx2"])[:1] == []
+
+
+def test_levers_auto_keeps_the_studys_batch_and_tile_under_a_target(tables):
+    plan = plan_job(study(**{"footprint.target": "120GiB"}), None, CALIBRATION)
+    if plan.lever is None:  # the job as configured already fits 120 GiB with these constants
+        assert plan.peak_bytes <= 120 * GIB
+        return
+    assert plan.lever == "model.recompute: true" and plan.config.model.recompute
+    assert plan.config.training.batch_size == 16 and plan.config.data.input_shape == (240, 240, 144)
+    assert plan.peak_bytes <= 120 * GIB
+    off = plan_job(study(**{"footprint.target": "120GiB", "footprint.levers": "off"}), None, CALIBRATION)
+    assert off.lever is None and not off.config.model.recompute and off.config.training.batch_size < 16

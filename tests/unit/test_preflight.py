@@ -41,7 +41,34 @@ def test_study_job_is_refused_in_a_small_container_with_an_actionable_message():
     assert "10% safety margin" in message
     assert "not even batch 1 fits at 240x240x144" in message
     assert "largest input shape that fits at batch 1" in message
+    # The levers, cheapest first, each with its predicted peak and step-time factor; here none keeps the
+    # batch and the tile (recomputation alone does not bring the study's job under 8 GiB).
+    levers = message.split("what would make it fit, cheapest first: ")[1]
+    assert levers.startswith("(1) data.input_shape: [") and "x the step time" in levers
+    assert "model.recompute" not in levers
     assert refused.value.exit_code == 3
+
+
+def test_a_refusal_lists_recomputation_first_when_it_makes_the_job_fit():
+    small = host("two_node_cgroup1")
+    # The smallest batch of the study's tile that this host refuses as configured.
+    for batch in range(1, 64):
+        config = load_config("study", {"training.batch_size": batch, "footprint.levers": "off"})
+        plan = plan_job(config, small, CALIBRATION)
+        if plan.peak_bytes > preflight.usable_bytes(plan, small):
+            break
+    with pytest.raises(DoesNotFit) as refused:
+        preflight.check_fits(plan, small)
+    levers = str(refused.value).split("what would make it fit, cheapest first: ")[1]
+    assert levers.startswith("(1) model.recompute: true: predicted peak ")
+    assert "1.56x the step time" in levers and f"training.batch_size: {batch - 1}" in levers
+    # The recorded hosts have AMX: bfloat16 is offered, its step time not measured on such a CPU here.
+    assert "runtime.precision: mixed_bfloat16: predicted peak" in levers and "step time not measured" in levers
+    # footprint.levers: auto (the study preset's) applies the first: same batch and tile, recomputation on.
+    auto = plan_job(load_config("study", {"training.batch_size": batch}), small, CALIBRATION)
+    assert auto.lever == "model.recompute: true" and auto.config.model.recompute
+    assert auto.config.training.batch_size == batch and auto.config.data.input_shape == (240, 240, 144)
+    preflight.check_fits(auto, small)
 
 
 def test_a_job_that_fits_passes():
@@ -52,15 +79,16 @@ def test_a_job_that_fits_passes():
 
 def test_largest_batch_suggested_really_fits():
     small = host("two_node_cgroup1")
-    config = load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": 64})
+    config = load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": 64,
+                                   "footprint.levers": "off"})
     plan = plan_job(config, small, CALIBRATION)
     with pytest.raises(DoesNotFit):
         preflight.check_fits(plan, small)
     usable = preflight.usable_bytes(plan, small)
     batch, shape = preflight.largest_fitting(plan, usable)
     assert batch >= 1
-    fitting = plan_job(load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": batch}),
-                       small, CALIBRATION)
+    fitting = plan_job(load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": batch,
+                                             "footprint.levers": "off"}), small, CALIBRATION)
     preflight.check_fits(fitting, small)
 
 

@@ -11,7 +11,10 @@ from pathlib import Path
 from ..config import Config
 from ..errors import EXIT_FAIL, EXIT_PASS, BadInput
 from ..host import read_host_facts
+from ..memory import layers
 from ..memory.calibrate import calibrate
+from ..memory.constants import load_calibration
+from ..memory.levers import levers_to_fit
 from ..memory.plan import plan_job
 from ..memory.preflight import check_fits, usable_bytes
 from ..pipeline import run_job
@@ -34,8 +37,27 @@ def plan_command(config: Config, as_json: bool, calibrate_first: bool) -> int:
         path = calibrate(config, log=None if as_json else print)
         if not as_json:
             print(f"calibration stored: {path}")
-    plan = plan_job(config, read_host_facts())
-    print(json.dumps(plan.to_dict(), indent=2) if as_json else format_plan(plan))
+    host = read_host_facts()
+    plan = plan_job(config, host)
+    usable = usable_bytes(plan, host)
+    levers = []
+    if plan.peak_bytes > usable:
+        levers = levers_to_fit(plan.config, usable, layers.layer_table, load_calibration(), host.cpu_flags)
+    if as_json:
+        print(json.dumps({**plan.to_dict(), "usable_bytes": usable, "fits_this_host": plan.peak_bytes <= usable,
+                          "levers": [{"change": lever.change, "peak_bytes": lever.peak_bytes,
+                                      "step_time_factor": lever.step_time_factor, "why": lever.why}
+                                     for lever in levers]}, indent=2))
+        return 0
+    print(format_plan(plan))
+    if plan.peak_bytes > usable:
+        print(f"this host: {format_bytes(usable)} usable: the job does not fit here; what would make it fit, "
+              "cheapest first:" if levers else f"this host: {format_bytes(usable)} usable: the job does not fit "
+              "here, and no lever makes it fit")
+        for number, lever in enumerate(levers, 1):
+            print(f"  ({number}) {lever.describe()}")
+    else:
+        print(f"this host: {format_bytes(usable)} usable: fits")
     return 0
 
 

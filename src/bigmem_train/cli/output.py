@@ -20,6 +20,9 @@ def format_plan(plan: JobPlan) -> str:
     if plan.target_bytes is not None:
         lines.append(f"target: {format_bytes(plan.target_bytes)} (resize: {config.footprint.resize}; was input "
                      f"{'x'.join(map(str, plan.original_input_shape))}, batch {plan.original_batch_size})")
+    if plan.lever:
+        lines.append(f"lever: {plan.lever} (footprint.levers: auto; the job as configured missed "
+                     f"{'the target' if plan.target_bytes is not None else 'this host'})")
     if plan.workers > 1:
         lines.append(f"multi-worker: {plan.workers} hosts, each one replica with batch "
                      f"{config.training.batch_size // plan.workers}; the figures below are per host")

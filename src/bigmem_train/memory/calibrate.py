@@ -1,17 +1,16 @@
-"""Measure real peak memory of a few training steps, and fit the planner's machine constants.
+"""Measure whole runs and fit the planner's machine constants (``bigmem-train plan --calibrate``).
 
-``measure_peak(config)`` runs the job in a child process (``python -m bigmem_train.memory.calibrate``) under
-the runtime a real run has (``launch.runtime_environment``: the oneDNN switch, the configured
-allocator preloaded; the run's intra/inter-op threads): TensorFlow is imported there, the model is
-built by ``model.compile_model``, ``model.fit`` runs a few steps on random data of the right shape held
-in memory (one batch, repeated), and the child reports its peak resident memory (``VmHWM``), the
-allocator it really ran on and, under tcmalloc, the heap counters. One config per process, so nothing
-of one run inflates the next.
+The truth the planner is held to is a whole run, not a bare ``model.fit``: ``measure_run(config)`` runs
+``bigmem-train train`` in a child process, as a user would, on a short run of the same job (two epochs
+of two steps, a synthetic NIfTI dataset of the job's shape read through the real pipeline, validation
+after each epoch, checkpoints, TensorBoard, the memory sampler; the runtime the launcher sets up:
+oneDNN switch, allocator preloaded, threads) and reads the peak resident memory from its metrics.json.
+One job per process, so nothing of one run inflates the next.
 
 ``calibrate()`` measures small jobs and fits, by least squares, measured - (weights, gradients, Adam
-slots, input, oneDNN's backward-weights scratchpad) = runtime baseline + activation factor x (tensors
-alive at the backward peak) [+ workspace factor x one sample's largest patch matrix, with oneDNN off]; it
-writes the constants, the model they belong to and the runtime they were measured under to
+slots, input pipeline, oneDNN's backward-weights scratchpad) = runtime baseline + activation factor x
+(tensors alive at the backward peak) [+ workspace factor x one sample's largest patch matrix, with oneDNN
+off]; it writes the constants, the model they belong to and the runtime they were measured under to
 ``~/.cache/bigmem-train/calibration.json`` (or ``$BIGMEM_CALIBRATION``).
 """
 
@@ -21,6 +20,7 @@ import ctypes
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,12 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..config import Config, load_config
 from ..errors import BadInput
-from ..host import preloaded_allocator, read_host_facts
-from ..launch import choose_threads, runtime_environment
 from . import layers
 from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
 from .estimate import breakdown_for
@@ -55,48 +51,76 @@ CALIBRATION_JOBS: list[dict[str, Any]] = [
 
 
 def job_config(base: Config, shape, batch: int, filters: int, depth: int, channels: int,
-               precision: str = "float32") -> Config:
-    """``base`` with this job's shape, batch, filters, depth, channels and precision."""
+               precision: str = "float32", recompute: bool = False, classes: int = 1) -> Config:
+    """``base`` with this job's shape, batch, filters, depth, channels, precision, gradient recomputation
+    and classes (1: binary labels; more: multiclass with that many output classes)."""
     data = base.model_dump()
     data["data"]["input_shape"] = tuple(shape)
     data["data"]["channels"] = list(range(channels))
+    data["data"]["label_mode"] = "binary" if classes == 1 else "multiclass"
     data["training"]["batch_size"] = batch
     data["model"]["base_filters"] = filters
     data["model"]["depth"] = depth
+    data["model"]["recompute"] = recompute
+    data["model"]["output_classes"] = classes
     data["runtime"]["precision"] = precision
     data["footprint"]["target"] = None
     return Config.model_validate(data)
 
 
-def in_memory_input_bytes(config: Config) -> int:
-    """What the measuring child's input holds: one batch of images and labels (float32), as a tensor."""
-    return config.training.batch_size * config.voxels_per_sample * (config.num_channels + 1) * 4
+def predicted_for_run(config: Config, calibration: Calibration) -> dict[str, int]:
+    """The planner's breakdown for ``config`` as a run holds it (the reader's buffers included)."""
+    return breakdown_for(config, layers.layer_table(config), calibration, config.training.batch_size,
+                         tuple(config.data.input_shape))
 
 
-def predicted_for_measurement(config: Config, calibration: Calibration) -> dict[str, int]:
-    """The planner's breakdown for the measuring child (its input is one in-memory batch, not a reader)."""
-    breakdown = breakdown_for(config, layers.layer_table(config), calibration, config.training.batch_size,
-                              tuple(config.data.input_shape))
-    breakdown["input_pipeline"] = in_memory_input_bytes(config)
-    return breakdown
+# A whole run measured for the planner: two epochs of two steps, validation after each, checkpoints,
+# TensorBoard and the memory sampler (the defaults a user gets), on a synthetic dataset of the job's
+# shape read through the real NIfTI pipeline. Four cases: three to train on, one to validate.
+WHOLE_RUN_EPOCHS = 2
+WHOLE_RUN_STEPS = 2
+WHOLE_RUN_CASES = 4
 
 
-def measure_peak(config: Config, steps: int = 3, timeout: float = 1800) -> dict[str, Any]:
-    """Run ``steps`` training steps of ``config`` in a child process; return its measured peak RSS etc."""
-    # The runtime a real run has (bigmem-train run re-executes itself the same way): oneDNN switch and
-    # the allocator preloaded; the child sets the run's threads itself.
-    env = dict(runtime_environment(config), TF_CPP_MIN_LOG_LEVEL="3")
+def whole_run_config(config: Config, results_dir: Path, run_name: str) -> Config:
+    """``config`` as a short whole run of the same job (model, batch, shape, channels, runtime), trained
+    by ``bigmem-train train`` on a synthetic dataset of its input shape kept under ``results_dir``."""
+    data = config.model_dump(mode="json")
+    data["data"].update(source="synthetic", path=None, synthetic_cases=WHOLE_RUN_CASES,
+                        synthetic_shape=list(config.data.input_shape), validation_fraction=0.25)
+    data["training"].update(epochs=WHOLE_RUN_EPOCHS, steps_per_epoch=WHOLE_RUN_STEPS, validation_steps=None,
+                            strategy="single")
+    data["footprint"].update(target=None, safety_margin=0.02)  # measure what the host can hold
+    data["output"].update(results_dir=str(results_dir), run_name=run_name)
+    return Config.model_validate(data)
+
+
+def measure_run(config: Config, results_dir: Path, run_name: str, timeout: float = 7200,
+                keep: bool = False) -> dict[str, Any]:
+    """Run ``bigmem-train train`` on ``config`` as a short whole run (:func:`whole_run_config`) in a
+    child process, as a user would; return its metrics.json (peak resident memory, step times) with
+    the wall time. The run directory is removed unless ``keep``."""
+    run_config = whole_run_config(config, results_dir, run_name)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    config_file = results_dir / f"{run_name}.yaml"
+    config_file.write_text(json.dumps(run_config.model_dump(mode="json")))
+    run_dir = results_dir / run_name
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "bigmem_train.memory.calibrate", "--measure", str(steps)],
-        input=config.model_dump_json(), capture_output=True, text=True, env=env, timeout=timeout,
+        [sys.executable, "-m", "bigmem_train.cli", "train", "--config", str(config_file)],
+        capture_output=True, text=True, timeout=timeout, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     if result.returncode != 0:
-        tail = result.stderr.strip().splitlines()[-3:]
-        raise BadInput(f"measuring child failed (exit {result.returncode}): {' | '.join(tail)}")
-    measured = json.loads(result.stdout.strip().splitlines()[-1])
-    measured["wall_seconds"] = round(time.monotonic() - started, 1)
-    return measured
+        tail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-3:]
+        raise BadInput(f"whole run {run_name} failed (exit {result.returncode}): {' | '.join(tail)}")
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics["wall_seconds"] = round(time.monotonic() - started, 1)
+    if not keep:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        config_file.unlink(missing_ok=True)
+    return metrics
 
 
 def status_bytes(field: str) -> int:
@@ -132,60 +156,6 @@ def reset_peak() -> None:
         pass
 
 
-def _measure_in_this_process(config: Config, steps: int) -> dict[str, Any]:
-    """The child's side: build, compile and fit on one random in-memory batch; report VmHWM."""
-    rss_start = status_bytes("VmRSS")
-    import tensorflow as tf
-
-    from ..model import compile_model
-
-    # The threads a real run uses (launch.choose_threads): inter-op parallelism changes which backward
-    # buffers coexist, so the measurement must match it.
-    intra, inter = choose_threads(config, read_host_facts())
-    tf.config.threading.set_intra_op_parallelism_threads(intra)
-    tf.config.threading.set_inter_op_parallelism_threads(inter)
-
-    tf.keras.utils.set_random_seed(config.training.seed)
-    model = compile_model(config)
-    rss_model = status_bytes("VmRSS")
-    batch, shape, channels = config.training.batch_size, config.data.input_shape, config.num_channels
-    rng = np.random.default_rng(0)
-    images = rng.standard_normal((batch, *shape, channels), dtype=np.float32)
-    labels = (rng.random((batch, *shape, 1), dtype=np.float32) > 0.9).astype(np.float32)
-    if config.model.output_classes > 1:
-        labels = rng.integers(0, config.model.output_classes, (batch, *shape, 1)).astype(np.float32)
-    dataset = tf.data.Dataset.from_tensors((images, labels)).repeat()
-    del images, labels  # The dataset holds its own copy.
-    rss_data = status_bytes("VmRSS")
-    seconds, step_peaks = [], []
-    overall = [status_bytes("VmHWM")]
-
-    class StepTimer(tf.keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch_index, logs=None):
-            reset_peak()
-            self.start = time.monotonic()
-
-        def on_train_batch_end(self, batch_index, logs=None):
-            seconds.append(time.monotonic() - self.start)
-            step_peaks.append(status_bytes("VmHWM"))
-
-    model.fit(dataset, steps_per_epoch=steps, epochs=1, verbose=0, callbacks=[StepTimer()])
-    return {
-        "peak_rss_bytes": max(overall + step_peaks + [status_bytes("VmHWM")]),
-        "step_peak_bytes": step_peaks,
-        "rss_start_bytes": rss_start,
-        "rss_model_bytes": rss_model,
-        "rss_data_bytes": rss_data,
-        "rss_end_bytes": status_bytes("VmRSS"),
-        "step_seconds": [round(value, 2) for value in seconds],
-        "tensorflow": tf.__version__,
-        "threads": [intra, inter],
-        "onednn": os.environ.get("TF_ENABLE_ONEDNN_OPTS", "default"),
-        "allocator": preloaded_allocator(),
-        "tcmalloc_end": tcmalloc_stats(),
-    }
-
-
 def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
     """Least squares (normal equations) for a handful of unknowns, without numpy."""
     size = len(rows[0])
@@ -205,23 +175,25 @@ def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     """Least squares of measured - (weights, gradients, slots, input, oneDNN scratchpad) = baseline +
-    activation factor x (tensors alive at the backward peak) [+ workspace factor x one sample's largest
-    patch matrix, with TensorFlow's own Conv3D kernels only].
+    activation factor x (tensors alive at the backward peak) + parameter copies x (trainable parameters x
+    4 B) [+ workspace factor x one sample's largest patch matrix, with TensorFlow's own Conv3D kernels only].
 
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).
     """
-    def features(config: Config, activation: float, workspace: float) -> int:
-        calibration = Calibration(runtime_baseline_bytes=0, activation_factor=activation, workspace_factor=workspace)
-        return sum(predicted_for_measurement(config, calibration).values())
+    def features(config: Config, activation: float = 0.0, workspace: float = 0.0, copies: float = 0.0) -> int:
+        calibration = Calibration(runtime_baseline_bytes=0, activation_factor=activation, workspace_factor=workspace,
+                                  parameter_copies=copies)
+        return sum(predicted_for_run(config, calibration).values())
 
     table, targets = [], []
     for config, measured in samples:
-        rest = features(config, 0.0, 0.0)
-        table.append([1.0, features(config, 1.0, 0.0) - rest, features(config, 0.0, 1.0) - rest])
+        rest = features(config)
+        table.append([1.0, features(config, activation=1.0) - rest, features(config, workspace=1.0) - rest,
+                      features(config, copies=1.0) - rest])
         targets.append(measured - rest)
     # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
-    measurable = [i for i in (1, 2) if any(row[i] for row in table)]
+    measurable = [i for i in (1, 2, 3) if any(row[i] for row in table)]
     free = [0] + measurable
     while True:
         solution = _solve([[row[i] for i in free] for row in table], targets)
@@ -234,16 +206,16 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     # patch matrix) for plans of jobs that switch oneDNN off, rather than a 0 that was never measured.
     workspace = round(values.get(2, 0.0), 4) if 2 in measurable else Calibration.workspace_factor
     return Calibration(runtime_baseline_bytes=int(values[0]), activation_factor=round(values.get(1, 0.0), 4),
-                       workspace_factor=workspace)
+                       workspace_factor=workspace, parameter_copies=round(values.get(3, 0.0), 3))
 
 
 def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
-    """How the constants were measured: the runtime the measuring children really had."""
+    """How the constants were measured: the runtime the measured run really had (its metrics.json)."""
     return {
-        "tensorflow": measured.get("tensorflow"),
-        "threads": measured.get("threads"),
+        "tensorflow": measured.get("tensorflow_version"),
+        "threads": [measured.get("intra_op_threads"), measured.get("inter_op_threads")],
         "host_cpus": os.cpu_count(),
-        "onednn": str(measured.get("onednn")) in {"1", "true", "True"},
+        "onednn": bool(measured.get("onednn_enabled")),
         "allocator": measured.get("allocator"),
         "requested": {"onednn": config.runtime.onednn, "allocator": config.runtime.allocator},
     }
@@ -256,40 +228,43 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "runtime_baseline_bytes": calibration.runtime_baseline_bytes,
         "activation_factor": calibration.activation_factor,
         "workspace_factor": calibration.workspace_factor,
+        "parameter_copies": calibration.parameter_copies,
         "measured": measured,
     }
 
 
-# Each calibration job is measured this many times: the same job's peak varied by up to 6 % from one
-# process to the next (allocation order), and every repeat halves that noise in the fit.
+# Each calibration job is measured this many times: the same job's peak varies from one process to the
+# next (allocation order), and every repeat halves that noise in the fit.
 CALIBRATION_REPEATS = 2
 
 
 def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = None,
               log: Callable[[str], None] | None = print, path: Path | None = None,
-              repeats: int = CALIBRATION_REPEATS) -> Path:
-    """Measure ``jobs`` (default ``CALIBRATION_JOBS``) ``repeats`` times each, fit the constants, store
-    them; return the file."""
+              repeats: int = CALIBRATION_REPEATS, workdir: Path | None = None) -> Path:
+    """Measure ``jobs`` (default ``CALIBRATION_JOBS``) ``repeats`` times each as short whole runs
+    (:func:`measure_run`), fit the constants, store them; return the file."""
     base = base or load_config()
+    workdir = workdir or layers.cache_dir() / "calibration-runs"
     samples, records = [], []
-    for job in [job for _ in range(repeats) for job in jobs or CALIBRATION_JOBS]:
-        config = job_config(base, **job)
-        measured = measure_peak(config)
-        samples.append((config, measured["peak_rss_bytes"]))
-        records.append({**{k: list(v) if isinstance(v, tuple) else v for k, v in job.items()},
-                        "peak_rss_bytes": measured["peak_rss_bytes"],
-                        "rss_model_bytes": measured["rss_model_bytes"]})
-        if log:
-            log(f"  measured {job}: peak {measured['peak_rss_bytes'] / 2**30:.3f} GiB "
-                f"({measured['wall_seconds']} s)")
+    for repeat in range(repeats):
+        for index, job in enumerate(jobs or CALIBRATION_JOBS):
+            config = job_config(base, **job)
+            measured = measure_run(config, workdir, f"calibration-{index}-{repeat}")
+            samples.append((config, measured["peak_rss_bytes"]))
+            records.append({**{k: list(v) if isinstance(v, tuple) else v for k, v in job.items()},
+                            "peak_rss_bytes": measured["peak_rss_bytes"]})
+            if log:
+                log(f"  measured {job}: peak {measured['peak_rss_bytes'] / 2**30:.3f} GiB "
+                    f"({measured['wall_seconds']} s)")
     fitted = fit_constants(samples)
     path = path or (Path(os.environ["BIGMEM_CALIBRATION"]) if os.environ.get("BIGMEM_CALIBRATION")
                     else calibration_path_for_user())
     data = calibration_data(fitted, {
         "by": "bigmem-train plan --calibrate",
-        "how": f"{len(records)} measurements ({repeats} of each job), each in its own process: model.fit, 3 steps "
-               "on random in-memory data, "
-               "the run's runtime (oneDNN switch, allocator preloaded, threads), peak RSS (VmHWM)",
+        "how": f"{len(records)} whole runs ({repeats} of each job), each `bigmem-train train` in its own process: "
+               f"{WHOLE_RUN_EPOCHS} epochs of {WHOLE_RUN_STEPS} steps on a synthetic NIfTI dataset read through the "
+               "real pipeline, validation each epoch, checkpoints, TensorBoard, the sampler; the run's runtime "
+               "(oneDNN switch, allocator preloaded, threads); peak RSS (metrics.json)",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         **runtime_record(base, measured),
         "jobs": records,
@@ -297,17 +272,3 @@ def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = No
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
-
-
-def _main(argv: list[str]) -> int:
-    if argv[:1] == ["--measure"]:
-        config = Config.model_validate_json(sys.stdin.read())
-        steps = int(argv[1]) if len(argv) > 1 else 3
-        print(json.dumps(_measure_in_this_process(config, steps)))
-        return 0
-    print("usage: python -m bigmem_train.memory.calibrate --measure STEPS < config.json", file=sys.stderr)
-    return 2
-
-
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))

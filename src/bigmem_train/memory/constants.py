@@ -37,6 +37,10 @@ class Calibration:
     # calibration under oneDNN cannot measure it and keeps this built-in value, used only by jobs with
     # oneDNN off.
     workspace_factor: float = 1.0
+    # Float32 copies of each trainable parameter a whole run holds beyond the weights, their gradients and
+    # Adam's two slots: the model state serialized by the checkpoint callbacks (last, best, and
+    # BackupAndRestore's), oneDNN's reordered weights. Fitted on whole runs (model 4); 0 before.
+    parameter_copies: float = 0.0
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
     # Calibration files passed over on the way to this one: fitted for the model before the activation
@@ -75,8 +79,10 @@ PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
 
 # The memory model a calibration file's constants were fitted for (its "model" key): 1 had a workspace
 # factor and no activation factor, 2 the activation factor, 3 also counts oneDNN's backward-weights
-# scratchpad (``onednn_scratchpad_bytes``), which model 2's activation factor had absorbed.
-MODEL_VERSION = 3
+# scratchpad (``onednn_scratchpad_bytes``), which model 2's activation factor had absorbed; 4 is fitted on
+# whole runs (``calibrate.measure_run``: reader, validation, checkpoints, TensorBoard, sampler) instead of a
+# bare ``model.fit`` on in-memory data, so its baseline holds what a run adds to the training step.
+MODEL_VERSION = 4
 
 
 def _model_version(data: dict[str, Any]) -> int:
@@ -113,6 +119,7 @@ def load_calibration() -> Calibration:
             runtime_baseline_bytes=int(data["runtime_baseline_bytes"]),
             activation_factor=float(data["activation_factor"]),
             workspace_factor=float(data["workspace_factor"]),
+            parameter_copies=float(data.get("parameter_copies", 0.0)),
             source=str(path),
             measured=data.get("measured", {}),
             skipped=skipped,

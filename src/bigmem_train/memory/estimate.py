@@ -9,12 +9,14 @@ find the most activations and activation gradients alive at once. The machine co
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Config
+from ..host import read_cpu_flags
 from . import constants, layers
 from .constants import Calibration
 from .layers import expand_recomputed_blocks
@@ -23,6 +25,7 @@ BREAKDOWN_KEYS = (
     "weights",
     "gradients",
     "optimizer_slots",
+    "parameter_copies",
     "activations",
     "workspace",
     "input_pipeline",
@@ -217,8 +220,27 @@ def workspace_reference_bytes(table: list[dict[str, Any]], batch: int, shape: tu
     return largest
 
 
+# CPU flags of oneDNN's avx512_core ISA. With them, oneDNN's f32 Conv3D backward-weights runs its direct
+# kernel (jit:avx512_core; ONEDNN_VERBOSE shows it), whose scratchpad is a few MiB at any size (measured:
+# 5-6 MiB for convolutions whose gemm scratchpad would be 33-329 MiB, benchmarks/planner_conv_scratchpad.py
+# on a Xeon with AVX-512 and AMX). Without them (AVX2 only) it runs the gemm kernel below.
+AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+@functools.cache
+def _this_cpu_flags() -> frozenset[str]:
+    return frozenset(read_cpu_flags())
+
+
+def onednn_uses_gemm_backward_weights(cpu_flags: frozenset[str] | None = None) -> bool:
+    """Whether oneDNN's Conv3D filter gradient runs its gemm kernel, with the im2col scratchpad
+    (``onednn_scratchpad_bytes``), on this CPU (or one with ``cpu_flags``): on CPUs without AVX-512."""
+    flags = _this_cpu_flags() if cpu_flags is None else cpu_flags
+    return not AVX512_CORE_FLAGS <= flags
+
+
 # oneDNN's gemm-based backward-weights convolution (x64:gemm:jit, chosen for every 3x3x3 Conv3D with
-# channels-last data) books its scratchpad per thread: a transposed copy of one input sample and the
+# channels-last data on AVX2 CPUs) books its scratchpad per thread: a transposed copy of one input sample and the
 # im2col matrix of one output depth slice (gemm_convolution_utils.cpp, init_conf, nspc bwd_w). It runs
 # on one thread unless the slice is small (output rows per thread < 256) and the batch has more than
 # one sample, and only then if the threads' copies stay under oneDNN's scratchpad limit (1 GiB).
@@ -284,8 +306,9 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     # under oneDNN the largest backward-weights scratchpad, held from its first use on (docs/planner.md).
     column_buffers = scratchpad = 0
     if config.runtime.onednn:
-        scratchpad = onednn_scratchpad_bytes(table, batch, shape,
-                                             config.runtime.intra_op_threads or os.cpu_count() or 1)
+        if onednn_uses_gemm_backward_weights():
+            scratchpad = onednn_scratchpad_bytes(table, batch, shape,
+                                                 config.runtime.intra_op_threads or os.cpu_count() or 1)
     else:
         column_buffers = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
     workspace = (int(factor * live) - activations + int(calibration.workspace_factor * column_buffers)
@@ -294,6 +317,7 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
         "weights": weights,
         "gradients": gradients,
         "optimizer_slots": optimizer_slots,
+        "parameter_copies": int(calibration.parameter_copies * trainable * 4),
         "activations": activations,
         "workspace": workspace,
         "input_pipeline": _input_pipeline_bytes(config, batch, shape),

@@ -13,6 +13,7 @@ from ..sizes import format_bytes, gib
 from . import constants, layers
 from .constants import Calibration
 from .estimate import breakdown_for
+from .levers import Lever, cheapest_keeping_job, levers_to_fit
 from .placement import Placement, decide_placement
 from .sizing import resolve_target, size_to_target, with_job_size
 
@@ -34,6 +35,8 @@ class JobPlan:
     calibration_warning: str | None = None
     # Multi-worker: the plan is per host (one replica and its share of the global batch each).
     workers: int = 1
+    # The lever footprint.levers "auto" applied to reach the target or the host (e.g. "model.recompute: true").
+    lever: str | None = None
 
     @classmethod
     def from_dict(cls, config: Config, data: dict[str, Any]) -> JobPlan:
@@ -49,6 +52,7 @@ class JobPlan:
             calibration_source=data.get("calibration", ""),
             calibration_warning=data.get("calibration_warning"),
             workers=int(data.get("workers", 1)),
+            lever=data.get("lever"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -69,6 +73,7 @@ class JobPlan:
             "placement": self.placement.to_dict(),
             "calibration": self.calibration_source,
             "calibration_warning": self.calibration_warning,
+            "lever": self.lever,
         }
 
 
@@ -81,8 +86,14 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
     # batch_size / workers samples; the target is per host too.
     workers = planned_workers(config)
     per_host = with_job_size(config, per_worker_batch_size(config, workers), tuple(config.data.input_shape))
-    sized = config
-    if target is not None:
+    sized, lever = config, None
+    limit = target if target is not None else _host_limit(config, host)
+    if config.footprint.levers == "auto" and limit is not None:
+        lever = _lever_for(per_host, limit, table, calibration, host)
+        if lever is not None:
+            sized = with_job_size(lever.config, config.training.batch_size, tuple(config.data.input_shape))
+            table = layers.layer_table(sized)
+    if target is not None and lever is None:
         batch, shape = size_to_target(per_host, target, table, calibration)
         sized = with_job_size(config, batch * workers, shape)
     breakdown = breakdown_for(sized, table, calibration, sized.training.batch_size // workers,
@@ -105,5 +116,22 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         placement = Placement("none", [], [], "no host facts")
     return JobPlan(sized, peak, breakdown, target, placement, config.training.batch_size,
                    tuple(config.data.input_shape), calibration.source, calibration.warning(config),
-                   workers)
+                   workers, lever.change if lever else None)
+
+
+def _host_limit(config: Config, host: HostFacts | None) -> int | None:
+    """What the job may take on ``host`` when no target is set: its memory less the safety margin."""
+    if host is None:
+        return None
+    return int(host.effective_memory_bytes * (1.0 - config.footprint.safety_margin))
+
+
+def _lever_for(per_host: Config, limit: int, table, calibration: Calibration, host: HostFacts | None) -> Lever | None:
+    """The cheapest lever that keeps the job's batch and shape and brings it under ``limit``; None when
+    the job fits as it is or no such lever does."""
+    if sum(breakdown_for(per_host, table, calibration, per_host.training.batch_size,
+                         tuple(per_host.data.input_shape)).values()) <= limit:
+        return None
+    return cheapest_keeping_job(levers_to_fit(per_host, limit, layers.layer_table, calibration,
+                                              host.cpu_flags if host else None))
 

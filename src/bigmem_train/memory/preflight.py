@@ -11,6 +11,7 @@ from ..errors import DoesNotFit
 from ..host import HostFacts
 from ..sizes import format_bytes
 from . import constants, layers
+from .levers import levers_to_fit
 from .plan import JobPlan
 from .sizing import largest_batch, largest_shape
 
@@ -61,5 +62,10 @@ def check_fits(plan: JobPlan, host: HostFacts) -> None:
         parts.append(f"not even batch 1 fits at {shape_text}")
     if shape:
         parts.append(f"largest input shape that fits at batch 1: {'x'.join(map(str, shape))}")
-    parts.append("lower training.batch_size or data.input_shape, or set footprint.target")
+    levers = levers_to_fit(config, usable, layers.layer_table, constants.load_calibration(), host.cpu_flags)
+    if levers:
+        parts.append("what would make it fit, cheapest first: "
+                     + " | ".join(f"({number}) {lever.describe()}" for number, lever in enumerate(levers, 1)))
+    parts.append("set one of these, or footprint.target (footprint.levers: auto applies the first that keeps "
+                 "the batch and shape)")
     raise DoesNotFit("; ".join(parts))

@@ -1,0 +1,106 @@
+"""Levers: what would make a job fit a number of bytes, cheapest first, each with its predicted peak and
+its step-time factor.
+
+Cheapest first means least change to what the job computes: gradient recomputation (the same
+mathematics, one more forward pass of each level), mixed bfloat16 where the CPU computes bfloat16
+natively (AVX512_BF16 or AMX; elsewhere oneDNN emulates it, 18x slower here), both together, then a
+smaller batch, then a smaller input shape. ``footprint.levers: auto`` applies the cheapest lever that
+keeps the job as configured (batch and shape) when the job misses its target; the others are listed in
+``bigmem-train plan`` and in preflight's refusal.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..config import Config
+from .estimate import breakdown_for
+from .sizing import largest_batch, largest_shape, with_job_size
+
+# Step time with ``model.recompute`` against without, same job: 1.56x the CPU time per step (96^3, batch 1,
+# 16 filters, depth 4, float32, 2 cores; docs/performance.md, levers table).
+RECOMPUTE_STEP_FACTOR = 1.56
+# CPU flags of native bfloat16 arithmetic (oneDNN's avx512_core_bf16 and AMX kernels).
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+@dataclass
+class Lever:
+    """One way to make the job fit: the settings it changes, the job with them, its predicted peak, and
+    the factor on the step time it costs (None where it was not measured on a CPU of this kind)."""
+
+    change: str
+    config: Config
+    peak_bytes: int
+    step_time_factor: float | None
+    why: str
+    keeps_job: bool  # batch and input shape as configured
+
+    def describe(self) -> str:
+        factor = f"{self.step_time_factor:.2f}x the step time" if self.step_time_factor else "step time not measured"
+        return f"{self.change}: predicted peak {self.peak_bytes / 2**30:.2f} GiB, {factor} ({self.why})"
+
+
+def _peak(config: Config, table, calibration) -> int:
+    return sum(breakdown_for(config, table, calibration, config.training.batch_size,
+                             tuple(config.data.input_shape)).values())
+
+
+def _with(config: Config, *, recompute: bool | None = None, precision: str | None = None) -> Config:
+    data = config.model_dump()
+    if recompute is not None:
+        data["model"]["recompute"] = recompute
+    if precision is not None:
+        data["runtime"]["precision"] = precision
+    return Config.model_validate(data)
+
+
+def native_bf16(cpu_flags: list[str] | None) -> bool:
+    return bool(set(cpu_flags or ()) & NATIVE_BF16_FLAGS)
+
+
+def levers_to_fit(config: Config, limit_bytes: int, tables, calibration,
+                  cpu_flags: list[str] | None = None) -> list[Lever]:
+    """The levers that bring ``config`` to at most ``limit_bytes``, cheapest first (empty when it fits or
+    nothing does). ``tables(config)`` gives a config's layer table (recomputation changes the model)."""
+    batch, shape = config.training.batch_size, tuple(config.data.input_shape)
+    if _peak(config, tables(config), calibration) <= limit_bytes:
+        return []
+    found: list[Lever] = []
+    candidates = []
+    if not config.model.recompute:
+        candidates.append(("model.recompute: true", _with(config, recompute=True), RECOMPUTE_STEP_FACTOR,
+                           "gradient recomputation: the same mathematics, each level's forward pass run again"))
+    if native_bf16(cpu_flags) and config.runtime.precision == "float32":
+        candidates.append(("runtime.precision: mixed_bfloat16", _with(config, precision="mixed_bfloat16"), None,
+                           "bfloat16 activations, float32 weights; this CPU computes bfloat16 natively"))
+        if not config.model.recompute:
+            candidates.append(("model.recompute: true and runtime.precision: mixed_bfloat16",
+                               _with(config, recompute=True, precision="mixed_bfloat16"), None,
+                               "both of the above"))
+    for change, changed, factor, why in candidates:
+        peak = _peak(changed, tables(changed), calibration)
+        if peak <= limit_bytes:
+            found.append(Lever(change, changed, peak, factor, why, keeps_job=True))
+    # Then what changes the job itself: fewer samples a step, or a smaller crop.
+    table = tables(config)
+    fitting_batch = largest_batch(config, table, calibration, shape, limit_bytes, ceiling=max(1, batch - 1))
+    if 1 <= fitting_batch < batch:
+        smaller = with_job_size(config, fitting_batch, shape)
+        found.append(Lever(f"training.batch_size: {fitting_batch}", smaller, _peak(smaller, table, calibration),
+                           fitting_batch / batch, "fewer samples a step: the step time falls with them, the time "
+                           "per sample stays", keeps_job=False))
+    fitting_shape = largest_shape(config, table, calibration, batch, limit_bytes, ceiling=shape)
+    if fitting_shape and fitting_shape != shape:
+        smaller = with_job_size(config, batch, fitting_shape)
+        found.append(Lever(f"data.input_shape: [{', '.join(map(str, fitting_shape))}]", smaller,
+                           _peak(smaller, table, calibration), math.prod(fitting_shape) / math.prod(shape),
+                           "a smaller crop: less context per sample, step time falls with the voxels",
+                           keeps_job=False))
+    return found
+
+
+def cheapest_keeping_job(levers: list[Lever]) -> Lever | None:
+    """The lever ``footprint.levers: auto`` applies: the cheapest that keeps batch and shape."""
+    return next((lever for lever in levers if lever.keeps_job), None)
