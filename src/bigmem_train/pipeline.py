@@ -16,7 +16,8 @@ from pathlib import Path
 from .config import Config
 from .errors import EXIT_FAIL, EXIT_PASS, BadInput
 from .host import read_host_facts
-from .rundir import FAILED, FINISHED, ensure_writable, prepare_run_dir, set_state, write_json
+from .guard import MemoryStopped
+from .rundir import FAILED, FINISHED, STOPPED, ensure_writable, prepare_run_dir, set_state, write_json
 from .sizes import format_bytes
 
 # Set in the environment of a process this module re-executed, so it is done once only.
@@ -192,6 +193,10 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
         from .train import train
 
         train(config, run_dir, (train_cases, validation_cases), plan_dict, host, resuming)
+    except MemoryStopped as stop:
+        # Checkpoint saved: state.json says `stopped: memory`, and a rerun with a smaller batch resumes.
+        set_state(run_dir, STOPPED, **stop.record)
+        raise
     except BaseException as error:
         # A killed or failed run stays resumable and never looks finished.
         set_state(run_dir, FAILED, error=f"{type(error).__name__}: {error}"[:2000])
