@@ -105,26 +105,29 @@ def largest_fitting_job(config: Config, planned_peak_bytes: int | None, measured
                         usable_bytes: int) -> tuple[int, tuple[int, int, int] | None]:
     """(largest batch at this input shape, largest shape at batch 1) that the measurement says would fit.
 
-    The planner's figures are scaled by measured / planned, and must fit in the guard's share of usable
-    memory less the safety margin; (0, None) when nothing can be said (no plan).
+    The job must shed what it measured above the guard's share of usable memory less the safety margin;
+    the planner's peak for the current job less that shortfall is the budget for a smaller one (a shift,
+    not a ratio: the planner models resident memory, the measure may be a cgroup working set, and the two
+    differ by about a constant, the shared library pages). (0, None) when nothing can be said (no plan).
     """
-    if not planned_peak_bytes or not measured_bytes:
+    if not planned_peak_bytes or not measured_bytes or not usable_bytes:
         return 0, None
     from .planner import largest_batch, largest_shape, layer_table, load_calibration
 
-    scale = max(1.0, measured_bytes / planned_peak_bytes)
-    limit = int(usable_bytes * config.guard.threshold * (1 - config.footprint.safety_margin) / scale)
+    allowed = int(usable_bytes * config.guard.threshold * (1 - config.footprint.safety_margin))
+    budget = planned_peak_bytes - max(0, measured_bytes - allowed)
+    if budget <= 0:
+        return 0, None
     table = layer_table(config)
     calibration = load_calibration()
     shape = tuple(config.data.input_shape)
-    batch = largest_batch(config, table, calibration, shape, limit)
-    batch = min(batch, config.training.batch_size - 1)
+    batch = min(largest_batch(config, table, calibration, shape, budget), config.training.batch_size - 1)
     fitting_shape = None
     if batch < 1:
-        fitting_shape = largest_shape(config, table, calibration, 1, limit, ceiling=shape)
+        fitting_shape = largest_shape(config, table, calibration, 1, budget, ceiling=shape)
         if fitting_shape == shape:
             fitting_shape = None
-    return batch, fitting_shape
+    return max(0, batch), fitting_shape
 
 
 def stop_message(trip: Trip, guard: MemoryGuard, config: Config, epoch: int, step: int, run_name: str,
@@ -168,6 +171,14 @@ def guard_callback(guard: MemoryGuard, backup: Any, config: Config, run_name: st
             self.epoch = epoch
 
         def on_train_batch_end(self, batch, logs=None):
+            self._stop_if_tripped(batch)
+
+        def on_test_batch_end(self, batch, logs=None):
+            # During an epoch's validation: the epoch is not finished (on_epoch_end has not run), so it is
+            # the one a resumed run does again.
+            self._stop_if_tripped(batch)
+
+        def _stop_if_tripped(self, batch):
             trip = guard.look()
             if trip is None:
                 return

@@ -69,6 +69,14 @@ class HostFacts:
         return min(limits)
 
     @property
+    def limit_in_force(self) -> str:
+        """Which limit ``effective_memory_bytes`` is: the cgroup's (what the kernel enforces on the charge)
+        or the host's available memory."""
+        if self.cgroup_limit_bytes and self.cgroup_limit_bytes <= self.memory_available_bytes:
+            return f"the cgroup v{self.cgroup_version} memory limit"
+        return "the host's available memory (MemAvailable)"
+
+    @property
     def limit_total_bytes(self) -> int:
         """Total memory a job may see: physical total less static hugepages, capped by the cgroup limit.
 
@@ -88,6 +96,7 @@ class HostFacts:
         data["effective_memory_bytes"] = self.effective_memory_bytes
         data["static_hugepages_bytes"] = self.static_hugepages_bytes
         data["limit_total_bytes"] = self.limit_total_bytes
+        data["limit_in_force"] = self.limit_in_force
         return data
 
 

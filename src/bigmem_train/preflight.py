@@ -48,7 +48,7 @@ def check_fits(plan: JobPlan, host: HostFacts) -> None:
     margin = plan.config.footprint.safety_margin
     parts = [
         f"predicted peak {format_bytes(plan.peak_bytes)} exceeds {format_bytes(usable)} usable "
-        f"(available {format_bytes(host.effective_memory_bytes)} less the {margin:.0%} safety margin)",
+        f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the {margin:.0%} safety margin)",
     ]
     if host.cgroup_limit_bytes:
         parts.append(f"cgroup v{host.cgroup_version} limit {format_bytes(host.cgroup_limit_bytes)}")
@@ -80,6 +80,7 @@ def host_summary(host: HostFacts) -> dict[str, Any]:
         "cgroup_limit": both(host.cgroup_limit_bytes),
         "cgroup_usage": both(host.cgroup_usage_bytes),
         "limit_total": both(host.limit_total_bytes),
+        "limit_in_force": host.limit_in_force,
         "swap_total": both(host.swap_total_bytes),
         "swap_free": both(host.swap_free_bytes),
         "thp_enabled": host.thp_enabled,
@@ -128,7 +129,8 @@ def preflight_command(config: Config, as_json: bool) -> int:
     else:
         print(_format_host(host))
         print(f"plan: peak {format_bytes(plan.peak_bytes)}, usable {format_bytes(usable)} "
-              f"(safety margin {config.footprint.safety_margin:.0%}); placement {plan.placement.policy}")
+              f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the "
+              f"{config.footprint.safety_margin:.0%} safety margin); placement {plan.placement.policy}")
     check_fits(plan, host)
     if not as_json:
         print("fits: yes")
