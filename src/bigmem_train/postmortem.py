@@ -198,3 +198,19 @@ def diagnose(run_dir: Path, state: dict[str, Any]) -> Ending | None:
         container_oom_killed=container_state.get("OOMKilled") if container_state else None,
         cgroup_oom_kills=None if rebooted else _cgroup_oom_kills_here(state),
         host_oom_kills_now=None if rebooted else host_oom_kills(), exit_code=exit_code, rebooted=rebooted)
+
+
+def describe_fetched(run_dir: Path, container_oom_killed: bool | None, exit_code: int | None) -> str:
+    """One line on how a run directory copied elsewhere (the Ansible controller) ended, from its files and
+    what the container runtime said (OOMKilled, exit code)."""
+    try:
+        state = json.loads((Path(run_dir) / "state.json").read_text())
+    except (OSError, ValueError):
+        return f"no state.json in {run_dir}"
+    if state.get("state") != "running":
+        detail = state.get("message") or state.get("error") or ""
+        return f"state.json says {state.get('state')}" + (f": {detail}" if detail else "")
+    ending = explain(state, measured_bytes=last_measured_bytes(run_dir, state),
+                     planned_bytes=planned_peak_bytes(run_dir), container_oom_killed=container_oom_killed,
+                     exit_code=exit_code)
+    return ending.message + (f" ({ending.evidence})" if ending.evidence else "")
