@@ -15,7 +15,7 @@ guard stopped; the U-Net's weights do not depend on either).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .config import Config
@@ -80,14 +80,20 @@ class MemoryGuard:
         return None
 
     def observe(self, sample: MemorySample) -> None:
-        """Take a sample (a sampler listener). A trip on a working set estimated with stale page-cache
-        figures is confirmed with fresh ones first."""
+        """Take a sample (a sampler listener). The working set between page-table walks subtracts the last
+        page-cache figure read; whenever the whole charge (its upper bound) would trip the guard, the
+        figure is read afresh and the sample taken again, so a decision never rests on a stale one."""
         self.peak_measured_bytes = max(self.peak_measured_bytes, sample.measured_bytes)
-        if self.trip is not None or self.check(sample) is None:
+        if self.trip is not None:
             return
-        if sample.charged_bytes is not None:
+        judged_charge = sample.measure != "rss" and sample.charged_bytes is not None
+        upper_bound = replace(sample, working_set_bytes=sample.charged_bytes) if judged_charge else sample
+        if self.check(upper_bound) is None:
+            return
+        if judged_charge:
             self.probe.refresh_page_cache()
             sample = self.probe.read()
+            self.peak_measured_bytes = max(self.peak_measured_bytes, sample.measured_bytes)
         reason = self.check(sample)
         if reason is not None:
             with self._lock:

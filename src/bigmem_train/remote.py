@@ -437,7 +437,7 @@ section config_epochs; awk '/^training:/ {{ t = 1; next }} /^[^ ]/ {{ t = 0 }} t
 section verdict; cat "$run/verdict.json" 2>/dev/null
 section metrics; cat "$run/metrics.json" 2>/dev/null
 section memory_last; head -n 1 "$run/memory.csv" 2>/dev/null; tail -n 1 "$run/memory.csv" 2>/dev/null
-section plan_peak; grep -o '"peak_bytes": [0-9]*' "$run/plan.json" 2>/dev/null | head -n 1 | tr -dc 0-9
+section plan_peak; grep -o '"peak_bytes": [0-9]*' "$run/plan.json" 2>/dev/null | head -n 1 | tr -dc 0-9; echo
 section host_oom; awk '$1 == "oom_kill" {{ print $2 }}' /proc/vmstat 2>/dev/null
 section cgroup_oom
 counter=$(sed -n 's/.*"oom_counter_file": "\([^"]*\)".*/\1/p' "$run/state.json" 2>/dev/null | head -n 1)
