@@ -232,3 +232,20 @@ def test_a_run_the_guard_stopped_resumes_with_a_smaller_batch_only(tmp_path):
     assert again == run_dir and resuming
     state = read_state(run_dir)
     assert state["state"] == "running" and "stopped" not in state and state["pid"] == os.getpid()
+
+
+def test_remote_status_weighs_what_its_round_trip_read():
+    from bigmem_train.remote import _ending
+
+    header = ",".join(CSV_COLUMNS)
+    last = f"1.0,1.0,{3 * GIB},0,{2 * GIB},{int(1.9 * GIB)},{2 * GIB}"
+    docker = _ending(STATE, {"container": "true 137", "memory_last": f"{header}\n{last}", "plan_peak": str(GIB),
+                             "host_oom": "4"}, exit_code=None)
+    assert docker.cause == "oom" and "OOMKilled" in docker.evidence
+    assert docker.message.startswith("killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB")
+    process = _ending({**STATE, "cgroup": {**STATE["cgroup"], "limit_bytes": None}},
+                      {"memory_last": f"{header}\n{last}", "cgroup_oom": "1", "host_oom": "5"}, exit_code=137)
+    assert process.cause == "oom" and "at about 3.00 GiB" in process.message  # RSS: no limit, no working set judged
+    assert "no plan recorded" in process.message
+    plain = _ending(STATE, {"container": "false 137", "host_oom": "4", "cgroup_oom": ""}, exit_code=None)
+    assert plain.cause == "killed"
