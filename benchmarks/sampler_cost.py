@@ -113,8 +113,8 @@ def main() -> int:
     rss = psutil.Process().memory_info().rss
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     huge = re.search(r"^AnonHugePages:\s+(\d+) kB", Path("/proc/self/smaps_rollup").read_text(), re.MULTILINE)
-    print(f"holding {rss / 2**30:.2f} GiB resident (THP {thp}, {int(huge.group(1)) / 2**20:.2f} GiB in huge pages); "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(f"holding {rss / 2**30:.2f} GiB resident (THP {thp}, {int(huge.group(1)) / 2**20:.2f} GiB in huge "
+          f"pages); load average {os.getloadavg()[0]:.2f}", flush=True)
     runs = []
     with tempfile.TemporaryDirectory() as folder:
         for repetition in range(args.repetitions):
@@ -130,13 +130,15 @@ def main() -> int:
     previous = sum(run["thread_cpu_seconds"] for run in runs if run["sampler"] == "previous")
     current = sum(run["thread_cpu_seconds"] for run in runs if run["sampler"] == "current")
     summary["previous_over_current_cpu"] = round(previous / current, 1) if current else None
+    before, after = summary["previous"], summary["current"]
     print(f"sampler CPU share of one core at {rss / 2**30:.1f} GiB resident: previous "
-          f"{summary['previous']['share_of_one_core_min']:.2%}-{summary['previous']['share_of_one_core_max']:.2%}, "
-          f"current {summary['current']['share_of_one_core_min']:.3%}-{summary['current']['share_of_one_core_max']:.3%} "
+          f"{before['share_of_one_core_min']:.2%}-{before['share_of_one_core_max']:.2%}, "
+          f"current {after['share_of_one_core_min']:.3%}-{after['share_of_one_core_max']:.3%} "
           f"(previous/current CPU {summary['previous_over_current_cpu']}x)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"resident_bytes": rss, "thp": thp, "pages": args.pages, "interval_seconds": args.interval,
-                                    "runs": runs, "summary": summary}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"resident_bytes": rss, "thp": thp, "pages": args.pages,
+                                    "interval_seconds": args.interval, "runs": runs, "summary": summary},
+                                   indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 

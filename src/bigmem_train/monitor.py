@@ -15,8 +15,8 @@ Two kinds of reads, so the sampler's own cost stays far below 1 % of one core at
 The judged measure ("measured" memory) is the cgroup's working set when the process's memory cgroup has a
 limit (what that limit and the cgroup's OOM killer act on: the charge less inactive page cache, as ``docker
 stats`` and the kubelet count it), else RSS: an unlimited cgroup is often shared (a login session, a CI
-job) and its charge is then other processes' memory too. ``usable`` is the cgroup limit (capped by what the host has left), or
-without a limit, measured memory plus the host's MemAvailable.
+job) and its charge is then other processes' memory too. ``usable`` is the cgroup limit (capped by what
+the host has left), or without a limit, measured memory plus the host's MemAvailable.
 
 Writes ``memory.csv`` (appending on resume) and keeps the peaks.
 """
@@ -53,7 +53,8 @@ def anon_hugepages_bytes(pid: int | str = "self") -> int:
 
 
 def numa_node_bytes(pid: int | str = "self") -> dict[int, int]:
-    """Resident pages of a process per NUMA node, from /proc/PID/numa_maps (``N<node>=<pages>``); walks its page tables."""
+    """Resident pages of a process per NUMA node, from /proc/PID/numa_maps (``N<node>=<pages>``); walks its
+    page tables."""
     totals: dict[int, int] = {}
     try:
         with open(f"/proc/{pid}/numa_maps") as handle:

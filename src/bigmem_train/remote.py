@@ -442,7 +442,8 @@ section host_oom; awk '$1 == "oom_kill" {{ print $2 }}' /proc/vmstat 2>/dev/null
 section cgroup_oom
 counter=$(sed -n 's/.*"oom_counter_file": "\([^"]*\)".*/\1/p' "$run/state.json" 2>/dev/null | head -n 1)
 [ -n "$counter" ] && [ -z {container} ] && awk '$1 == "oom_kill" {{ print $2 }}' "$counter" 2>/dev/null
-section container; [ -n {container} ] && docker inspect -f '{{{{.State.OOMKilled}}}} {{{{.State.ExitCode}}}}' {container} 2>/dev/null
+section container
+[ -n {container} ] && docker inspect -f '{{{{.State.OOMKilled}}}} {{{{.State.ExitCode}}}}' {container} 2>/dev/null
 true
 """
 
@@ -552,7 +553,8 @@ def _ending(state_file: dict[str, Any], sections: dict[str, str], exit_code: int
     if len(memory) == 2 and memory[0] != memory[1]:
         row = dict(zip(memory[0].split(","), memory[1].split(",")))
         limited = bool((state_file.get("cgroup") or {}).get("limit_bytes"))
-        measured = integer(row.get("working_set_bytes") if limited and row.get("working_set_bytes") else row.get("rss_bytes"))
+        column = "working_set_bytes" if limited and row.get("working_set_bytes") else "rss_bytes"
+        measured = integer(row.get(column))
     return explain(state_file, measured_bytes=measured, planned_bytes=integer(sections.get("plan_peak")),
                    container_oom_killed=oom_killed, cgroup_oom_kills=integer(sections.get("cgroup_oom")),
                    host_oom_kills_now=integer(sections.get("host_oom")), exit_code=exit_code)

@@ -35,7 +35,8 @@ def _docker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 
 def _job(results: Path, epochs: int) -> None:
-    (results / "tiny.yaml").write_text(TINY_JOB.format(epochs=epochs, results="/results") + "guard:\n  threshold: 0.9\n")
+    job = TINY_JOB.format(epochs=epochs, results="/results") + "guard:\n  threshold: 0.9\n"
+    (results / "tiny.yaml").write_text(job)
     chown_tree(results)
 
 
@@ -53,7 +54,8 @@ def test_guard_exit_3_passes_through_docker_run(bigmem_image: str, tmp_path: Pat
                       "--run-name", "guarded")
     assert started.returncode == 0, started.stderr
     try:
-        usage = "/sys/fs/cgroup/memory/memory.usage_in_bytes" if _cgroup_version() == "1" else "/sys/fs/cgroup/memory.current"
+        usage = ("/sys/fs/cgroup/memory/memory.usage_in_bytes" if _cgroup_version() == "1"
+                 else "/sys/fs/cgroup/memory.current")
         tenant = _docker("exec", "-d", name, "python", "-c", TENANT, "/results/guarded/history.csv", "2", usage,
                          str(limit), "0.75", "8", "0.95")
         assert tenant.returncode == 0, tenant.stderr

@@ -54,7 +54,8 @@ def test_status_names_an_oom_kill(sshd, tmp_path):
         while True:
             result = remote("status", "lab", "oom", "--json", inventory=inventory)
             assert result.returncode == 0, result.stderr
-            status = json.loads(result.stdout)[0] if result.stdout.lstrip().startswith("[") else json.loads(result.stdout)
+            status = json.loads(result.stdout)
+            status = status[0] if isinstance(status, list) else status
             if status["state"] != "running" or time.monotonic() > deadline:
                 break
             time.sleep(2)

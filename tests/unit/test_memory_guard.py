@@ -14,7 +14,7 @@ import pytest
 from bigmem_train.config import config_from_dict
 from bigmem_train.errors import BadInput
 from bigmem_train.guard import MemoryGuard, Trip, stop_message
-from bigmem_train.host import MemoryCgroup, find_memory_cgroup, oom_kill_count
+from bigmem_train.host import find_memory_cgroup, oom_kill_count
 from bigmem_train.monitor import CSV_COLUMNS, MemoryProbe, MemorySample, MemorySampler, read_memory_csv
 from bigmem_train.postmortem import container_id, diagnose, explain
 from bigmem_train.rundir import FINISHED, STOPPED, prepare_run_dir, process_identity, read_state, set_state
@@ -175,7 +175,8 @@ STATE = {"state": "running", "pid": 12345, "host_oom_kills": 4,
 def test_explain_weighs_the_evidence():
     oom = explain(STATE, measured_bytes=int(1.9 * GIB), planned_bytes=GIB, container_oom_killed=True, exit_code=137)
     assert oom.cause == "oom"
-    assert oom.message == "killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB; cgroup v1 limit 2.00 GiB)"
+    assert oom.message == ("killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB; "
+                           "cgroup v1 limit 2.00 GiB)")
     assert "OOMKilled" in oom.evidence
     counted = explain(STATE, measured_bytes=GIB, planned_bytes=GIB, cgroup_oom_kills=1)
     assert counted.cause == "oom" and "memory.oom_control oom_kill went from 0 to 1" in counted.evidence
