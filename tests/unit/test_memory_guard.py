@@ -250,3 +250,43 @@ def test_remote_status_weighs_what_its_round_trip_read():
     assert "no plan recorded" in process.message
     plain = _ending(STATE, {"container": "false 137", "host_oom": "4", "cgroup_oom": ""}, exit_code=None)
     assert plain.cause == "killed"
+
+
+@pytest.fixture
+def recorded_planner(monkeypatch):
+    """The planner on recorded layer tables and fixed constants (no TensorFlow)."""
+    from bigmem_train import planner
+
+    fixtures = Path(__file__).resolve().parents[1] / "fixtures" / "layer_tables"
+    calibration = planner.Calibration(runtime_baseline_bytes=600 * MIB, source="test")
+
+    def table(config):
+        name = f"unet_depth{config.model.depth}_filters{config.model.base_filters}_{config.runtime.precision}"
+        return json.loads((fixtures / f"{name}.json").read_text())["table"]
+
+    monkeypatch.setattr(planner, "layer_table", table)
+    monkeypatch.setattr(planner, "load_calibration", lambda: calibration)
+    return lambda config, batch, shape: planner._peak(config, table(config), calibration, batch, shape)
+
+
+def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_planner):
+    from bigmem_train.guard import largest_fitting_job
+
+    config = config_from_dict({"data": {"input_shape": [128, 128, 128]}, "training": {"batch_size": 8}})
+    shape = (128, 128, 128)
+    planned = recorded_planner(config, 8, shape)
+    usable = planned  # the plan just fitted, but the run measured 1 GiB more than planned
+    measured = planned + GIB
+    batch, fitting_shape = largest_fitting_job(config, planned, measured, usable)
+    allowed = usable * 0.97 * 0.9
+    shift = measured - planned
+    assert 1 <= batch < 8 and fitting_shape is None
+    assert recorded_planner(config, batch, shape) + shift <= allowed
+    assert recorded_planner(config, batch + 1, shape) + shift > allowed  # the largest
+    # Far over: not even batch 1 at this shape; the largest shape at batch 1 that sheds enough.
+    shift = int(allowed - recorded_planner(config, 1, shape)) + 64 * MIB
+    batch, fitting_shape = largest_fitting_job(config, planned, planned + shift, usable)
+    assert batch == 0 and fitting_shape is not None and fitting_shape != shape
+    assert all(edge <= limit for edge, limit in zip(fitting_shape, shape))
+    assert recorded_planner(config, 1, fitting_shape) + shift <= allowed
+    assert largest_fitting_job(config, None, measured, usable) == (0, None)
