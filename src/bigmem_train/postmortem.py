@@ -117,7 +117,10 @@ def _process_alive(state: dict[str, Any]) -> bool | None:
 
 
 def container_id(state: dict[str, Any]) -> str | None:
-    """The Docker container a run ran in, from its cgroup path (``/docker/<id>``, ``docker-<id>.scope``)."""
+    """The Docker container a run ran in: recorded from its mounts, else from its cgroup path (``/docker/<id>``,
+    ``docker-<id>.scope``; a private cgroup namespace shows only ``/``)."""
+    if state.get("container_id"):
+        return state["container_id"]
     match = re.search(r"(?:docker[-/])([0-9a-f]{64})", (state.get("cgroup") or {}).get("path") or "")
     return match.group(1) if match else None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,11 @@ def process_identity() -> dict[str, Any]:
         "hostname": os.uname().nodename,
         "host_oom_kills": host_oom_kills(),
     }
+    # The Docker container this runs in (its files are mounted from /var/lib/docker/containers/ID/), so a
+    # later look from the host can ask Docker how it ended, whatever the cgroup namespace shows.
+    container = re.search(r"/containers/([0-9a-f]{64})/", _read_text("/proc/self/mountinfo"))
+    if container:
+        identity["container_id"] = container.group(1)
     cgroup = find_memory_cgroup()
     if cgroup is not None:
         identity["cgroup"] = {"version": cgroup.version, "path": cgroup.path, "folder": str(cgroup.folder),

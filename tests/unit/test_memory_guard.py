@@ -189,6 +189,9 @@ def test_explain_weighs_the_evidence():
     assert other.cause == "unknown" and "no plan recorded" in other.message
     assert explain(STATE, measured_bytes=None, planned_bytes=GIB, rebooted=True).cause == "rebooted"
     assert container_id(STATE) == "ab" * 32
+    # A private cgroup namespace (Docker's default on cgroup v2) shows "/": the id recorded from the mounts.
+    private = {**STATE, "cgroup": {**STATE["cgroup"], "path": "/"}}
+    assert container_id(private) is None and container_id({**private, "container_id": "cd" * 32}) == "cd" * 32
 
 
 def test_diagnose_tells_a_gone_process_from_a_live_one(tmp_path):
