@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 try:
-    from bigmem_train import sizes
+    from bigmem_train import postmortem, sizes
 except ImportError:  # the controller runs from a checkout without the kit installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-    from bigmem_train import sizes
+    from bigmem_train import postmortem, sizes
 
 from ansible.errors import AnsibleFilterError
 
@@ -26,6 +26,14 @@ def bigmem_size_bytes(text, host_total_bytes=None):
         return sizes.parse_size(text, None if host_total_bytes is None else int(host_total_bytes))
     except sizes.BadInput as error:
         raise AnsibleFilterError(str(error)) from None
+
+
+def bigmem_run_ending(run_dir, oom_killed=None, exit_code=None):
+    """How a fetched run directory's job ended when it left no verdict, in the kit's words
+    (``bigmem_train.postmortem``): "killed by the out-of-memory killer at about X GiB (planned Y GiB)" when
+    the container's OOMKilled flag (or the OOM counters recorded in state.json) says so."""
+    return postmortem.describe_fetched(Path(str(run_dir)), None if oom_killed is None else bool(oom_killed),
+                                       None if exit_code in (None, "") else int(exit_code))
 
 
 def bigmem_gib(num_bytes):
@@ -76,6 +84,7 @@ class FilterModule:
         return {
             "bigmem_size_bytes": bigmem_size_bytes,
             "bigmem_gib": bigmem_gib,
+            "bigmem_run_ending": bigmem_run_ending,
             "bigmem_sysfs_value": bigmem_sysfs_value,
             "bigmem_changed_items": bigmem_changed_items,
             "bigmem_registry_errors": bigmem_registry_errors,

@@ -172,6 +172,22 @@ class FootprintConfig(_Section):
         return value
 
 
+class GuardConfig(_Section):
+    """The memory guard: stop cleanly (checkpoint, exit 3) before the kernel's OOM killer ends the run.
+
+    Measured memory is the run's cgroup working set (RSS without a memory cgroup); usable memory is the
+    cgroup limit in force, or without one what the host has left for the process.
+    """
+
+    # Watch memory while training and stop at a step boundary when it runs short.
+    enabled: bool = True
+    # Stop when measured memory passes this share of usable memory.
+    threshold: float = Field(0.97, gt=0.0, le=1.0)
+    # Also stop when measured memory passes the planned peak by more than footprint.tolerance and less than
+    # this share of usable memory is left.
+    room: float = Field(0.10, ge=0.0, lt=1.0)
+
+
 class ValidationConfig(_Section):
     """What a passing run must show."""
 
@@ -212,6 +228,7 @@ class Config(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
     footprint: FootprintConfig = Field(default_factory=FootprintConfig)
+    guard: GuardConfig = Field(default_factory=GuardConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
@@ -271,6 +288,42 @@ def config_from_dict(raw: dict[str, Any] | None, source: str = "config") -> Conf
 PRESETS_DIR = Path(__file__).parent / "presets"
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A key given twice in one mapping (YAML 1.2 requires keys to be unique; PyYAML keeps the last)."""
+
+    def __init__(self, key: Any, first_line: int, second_line: int):
+        super().__init__(f"key {key!r} is given twice in one mapping (lines {first_line} and {second_line})")
+        self.key, self.first_line, self.second_line = key, first_line, second_line
+
+
+class StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping, as strict YAML loaders do.
+
+    Keys brought in by a merge (``<<: *defaults``) may be overridden, as YAML's merge key allows.
+    """
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _value in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            line = key_node.start_mark.line + 1
+            if first is not None:
+                raise DuplicateKeyError(key, first, line)
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str) -> Any:
+    """Parse YAML with :class:`StrictLoader` (safe, duplicate keys refused)."""
+    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
+
+
 def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
     """Load a YAML config (the built-in default preset when ``path`` is None), apply dotted overrides.
 
@@ -288,7 +341,9 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str,
         if not file.is_file():
             raise BadInput(f"config file {source} does not exist")
         try:
-            raw = yaml.safe_load(file.read_text()) or {}
+            raw = load_yaml(file.read_text()) or {}
+        except DuplicateKeyError as error:
+            raise BadInput(f"config file {source}: {error}") from None
         except yaml.YAMLError as error:
             mark = getattr(error, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark else ""

@@ -70,6 +70,14 @@ class HostFacts:
         return min(limits)
 
     @property
+    def limit_in_force(self) -> str:
+        """Which limit ``effective_memory_bytes`` is: the cgroup's (what the kernel enforces on the charge)
+        or the host's available memory."""
+        if self.cgroup_limit_bytes and self.cgroup_limit_bytes <= self.memory_available_bytes:
+            return f"the cgroup v{self.cgroup_version} memory limit"
+        return "the host's available memory (MemAvailable)"
+
+    @property
     def limit_total_bytes(self) -> int:
         """Total memory a job may see: physical total less static hugepages, capped by the cgroup limit.
 
@@ -89,6 +97,7 @@ class HostFacts:
         data["effective_memory_bytes"] = self.effective_memory_bytes
         data["static_hugepages_bytes"] = self.static_hugepages_bytes
         data["limit_total_bytes"] = self.limit_total_bytes
+        data["limit_in_force"] = self.limit_in_force
         return data
 
 
@@ -172,38 +181,130 @@ def _candidates(base: Path, cgroup_path: str | None) -> list[Path]:
     return folders
 
 
+@dataclass(frozen=True)
+class MemoryCgroup:
+    """The memory cgroup that charges this process, as seen from here (host or container).
+
+    ``path`` is the cgroup as /proc/self/cgroup names it; ``folder`` is where its files are under the
+    mount (inside a container without its own cgroup namespace the mount itself is the container's
+    cgroup, so the folder can be the mount). Every reader returns None when its file is missing.
+    Cheap reads (``usage_bytes``) are single counters; ``stat`` and ``limit_bytes`` read more.
+    """
+
+    version: int
+    path: str
+    folder: Path
+    base: Path
+
+    def _read_int(self, name: str) -> int | None:
+        return _int_or_none(_read(self.folder / name))
+
+    def usage_bytes(self) -> int | None:
+        """Memory charged now (v2 ``memory.current``, v1 ``memory.usage_in_bytes``), page cache included."""
+        return self._read_int("memory.current" if self.version == 2 else "memory.usage_in_bytes")
+
+    def peak_bytes(self) -> int | None:
+        """The kernel's high-water mark of the charge since the cgroup was made (v2 ``memory.peak``, v1
+        ``memory.max_usage_in_bytes``)."""
+        return self._read_int("memory.peak" if self.version == 2 else "memory.max_usage_in_bytes")
+
+    def stat(self) -> dict[str, int]:
+        """``memory.stat`` as {key: value} (v1's ``total_*`` keys fold in the descendants)."""
+        values: dict[str, int] = {}
+        for line in _read(self.folder / "memory.stat").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].isdigit():
+                values[parts[0]] = int(parts[1])
+        return values
+
+    def inactive_file_bytes(self) -> int:
+        """Page cache on the inactive list: reclaimed first, before the OOM killer is called."""
+        stat = self.stat()
+        return stat.get("inactive_file" if self.version == 2 else "total_inactive_file", stat.get("inactive_file", 0))
+
+    def limit_bytes(self) -> int | None:
+        """The limit in force: v2 the smallest ``memory.max`` of the cgroup and its ancestors; v1
+        ``memory.limit_in_bytes`` capped by ``hierarchical_memory_limit`` (which folds in the ancestors)."""
+        if self.version == 2:
+            limits = []
+            folder = self.folder
+            while True:
+                limit = _int_or_none(_read(folder / "memory.max"))
+                if limit is not None:
+                    limits.append(limit)
+                if folder == self.base or self.base not in folder.parents:
+                    break
+                folder = folder.parent
+            return min(limits) if limits else None
+        limit = self._read_int("memory.limit_in_bytes")
+        hierarchical = self.stat().get("hierarchical_memory_limit")
+        if hierarchical is not None and hierarchical < 2**60:
+            limit = hierarchical if limit is None else min(limit, hierarchical)
+        return limit
+
+    @property
+    def oom_counter_file(self) -> Path:
+        """The file whose ``oom_kill`` line counts the OOM killer's kills in this cgroup."""
+        return self.folder / ("memory.events" if self.version == 2 else "memory.oom_control")
+
+    def oom_kills(self) -> int | None:
+        """Processes of this cgroup the OOM killer has killed (v2 ``memory.events`` oom_kill, v1
+        ``memory.oom_control`` oom_kill); None when the kernel does not count them here."""
+        return oom_kill_count(_read(self.oom_counter_file))
+
+    def describe(self) -> str:
+        return f"cgroup v{self.version} {self.path or '/'}"
+
+
+def oom_kill_count(text: str) -> int | None:
+    """The ``oom_kill N`` line of memory.events, memory.oom_control or /proc/vmstat."""
+    match = re.search(r"^oom_kill (\d+)$", text, re.MULTILINE)
+    return int(match.group(1)) if match else None
+
+
+def host_oom_kills(root: Path = Path("/")) -> int | None:
+    """Kills by the OOM killer on this host since boot, any cgroup (/proc/vmstat oom_kill)."""
+    return oom_kill_count(_read(root / "proc/vmstat"))
+
+
+def find_memory_cgroup(root: Path = Path("/")) -> MemoryCgroup | None:
+    """This process's memory cgroup (v2 when the unified hierarchy has the memory controller, else v1);
+    None without one. In a hybrid layout (v2 mounted at ``unified/`` without the memory controller) v1
+    is used."""
+    v2_path, v1_path = _cgroup_paths(root)
+    base = root / "sys/fs/cgroup"
+    if (base / "cgroup.controllers").exists():
+        for folder in _candidates(base, v2_path):
+            if (folder / "memory.current").exists():
+                return MemoryCgroup(2, v2_path or "/", folder, base)
+        return None
+    memory_base = base / "memory"
+    if memory_base.is_dir():
+        for folder in _candidates(memory_base, v1_path):
+            if (folder / "memory.limit_in_bytes").exists():
+                return MemoryCgroup(1, v1_path or "/", folder, memory_base)
+    return None
+
+
 def read_cgroup_memory(root: Path = Path("/")) -> tuple[int | None, int | None, int | None]:
     """(limit, version, usage) of this process's memory cgroup; limit None when unlimited.
 
     v2: the smallest ``memory.max`` of the cgroup and its ancestors; usage from ``memory.current``.
     v1: ``hierarchical_memory_limit`` from ``memory.stat`` (which folds in the ancestors) or
-    ``memory.limit_in_bytes``; usage from ``memory.usage_in_bytes``. In a hybrid layout (v2 mounted
-    at ``unified/`` without the memory controller) v1 is used.
+    ``memory.limit_in_bytes``; usage from ``memory.usage_in_bytes``.
     """
-    v2_path, v1_path = _cgroup_paths(root)
+    v2_path, _v1_path = _cgroup_paths(root)
     base = root / "sys/fs/cgroup"
     if (base / "cgroup.controllers").exists():
-        limits, usage = [], None
-        for folder in _candidates(base, v2_path):
-            limit = _int_or_none(_read(folder / "memory.max"))
-            if limit is not None:
-                limits.append(limit)
-            if usage is None:
-                usage = _int_or_none(_read(folder / "memory.current"))
-        return (min(limits) if limits else None), 2, usage
-    memory_base = base / "memory"
-    if memory_base.is_dir():
-        for folder in _candidates(memory_base, v1_path):
-            limit_text = _read(folder / "memory.limit_in_bytes")
-            if not limit_text:
-                continue
-            limit = _int_or_none(limit_text)
-            stat = parse_meminfo(_read(folder / "memory.stat").replace(" ", ": "))
-            hierarchical = stat.get("hierarchical_memory_limit")
-            if hierarchical is not None and hierarchical < 2**60:
-                limit = hierarchical if limit is None else min(limit, hierarchical)
-            return limit, 1, _int_or_none(_read(folder / "memory.usage_in_bytes"))
-    return None, None, None
+        cgroup = find_memory_cgroup(root)
+        if cgroup is None:
+            # The root cgroup has no memory files of its own; limits may still sit on the way down.
+            cgroup = MemoryCgroup(2, v2_path or "/", _candidates(base, v2_path)[0], base)
+        return cgroup.limit_bytes(), 2, cgroup.usage_bytes()
+    cgroup = find_memory_cgroup(root)
+    if cgroup is None:
+        return None, None, None
+    return cgroup.limit_bytes(), 1, cgroup.usage_bytes()
 
 
 def read_cgroup_limit(root: Path = Path("/")) -> tuple[int | None, int | None]:

@@ -12,12 +12,13 @@ from . import launch
 from .config import Config
 from .data import check_dataset_folder, training_split
 from .distribute import config_for_this_worker, is_chief, planned_workers
+from .guard import MemoryStopped
 from .errors import EXIT_FAIL, EXIT_PASS
 from .host import HostFacts, read_host_facts
 from .memory.plan import JobPlan, plan_job
 from .memory.preflight import check_fits
 from .report import write_report
-from .rundir import FAILED, FINISHED, ensure_writable, prepare_run_dir, set_state, write_json
+from .rundir import FAILED, FINISHED, STOPPED, ensure_writable, prepare_run_dir, set_state, write_json
 from .sizes import format_bytes
 from .synth import write_synthetic_dataset
 from .train import train
@@ -82,9 +83,14 @@ def write_run_inputs(run_dir: Path, host: HostFacts, plan: JobPlan, cases: tuple
 
 
 def train_run(run_dir: Path, plan: JobPlan, cases: tuple[list, list], host: HostFacts, resuming: bool) -> None:
-    """Train, keeping the state file honest: a killed or failed run stays resumable and never looks finished."""
+    """Train, keeping the state file honest: a killed, failed or memory-stopped run stays resumable and never
+    looks finished."""
     try:
         train(plan.config, run_dir, cases, plan, host, resuming)
+    except MemoryStopped as stop:
+        # Checkpoint saved: state.json says `stopped: memory`, and a rerun with a smaller batch resumes.
+        set_state(run_dir, STOPPED, **stop.record)
+        raise
     except BaseException as error:
         set_state(run_dir, FAILED, error=f"{type(error).__name__}: {error}"[:2000])
         raise

@@ -435,6 +435,14 @@ section memory
 section config_epochs; awk '/^training:/ {{ t = 1; next }} /^[^ ]/ {{ t = 0 }} t && $1 == "epochs:" {{ print $2 }}' "$run/config.yaml" 2>/dev/null
 section verdict; cat "$run/verdict.json" 2>/dev/null
 section metrics; cat "$run/metrics.json" 2>/dev/null
+section memory_last; head -n 1 "$run/memory.csv" 2>/dev/null; tail -n 1 "$run/memory.csv" 2>/dev/null
+section plan_peak; grep -o '"peak_bytes": [0-9]*' "$run/plan.json" 2>/dev/null | head -n 1 | tr -dc 0-9; echo
+section host_oom; awk '$1 == "oom_kill" {{ print $2 }}' /proc/vmstat 2>/dev/null
+section cgroup_oom
+counter=$(sed -n 's/.*"oom_counter_file": "\([^"]*\)".*/\1/p' "$run/state.json" 2>/dev/null | head -n 1)
+[ -n "$counter" ] && [ -z {container} ] && awk '$1 == "oom_kill" {{ print $2 }}' "$counter" 2>/dev/null
+section container
+[ -n {container} ] && docker inspect -f '{{{{.State.OOMKilled}}}} {{{{.State.ExitCode}}}}' {container} 2>/dev/null
 true
 """
 
@@ -470,7 +478,9 @@ def status(inventory: Inventory, target: str, name: str, timeout: float = DEFAUL
 def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
     job = _read_job(connection, host, name)
     running = _is_running(connection, job)
-    script = _STATUS_SCRIPT.format(folder=shlex.quote(job["folder"]), run_dir=shlex.quote(job["run_dir"]))
+    container = job.get("container") if job.get("mode") == "docker" else ""
+    script = _STATUS_SCRIPT.format(folder=shlex.quote(job["folder"]), run_dir=shlex.quote(job["run_dir"]),
+                                   container=shlex.quote(container or ""))
     sections = _sections(_run(connection, script).stdout)
     state_file = _json_or_none(sections.get("state", "")) or {}
     progress = _json_or_none(sections.get("progress", "")) or {}
@@ -515,7 +525,38 @@ def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
     metrics = _json_or_none(sections.get("metrics", ""))
     if metrics and metrics.get("peak_rss_bytes"):
         report["peak_rss_bytes"] = max(report.get("peak_rss_bytes", 0), int(metrics["peak_rss_bytes"]))
+    if state_file.get("stopped") == "memory":
+        report["state"] = "stopped"
+        report["error"] = state_file.get("message")
+    if not running and state_file.get("state") == "running":
+        ending = _ending(state_file, sections, report.get("exit_code"))
+        report["state"] = "killed" if ending.cause in {"oom", "killed"} else report["state"]
+        report["ending"] = ending.to_dict()
+        report["error"] = ending.message + (f" ({ending.evidence})" if ending.evidence else "")
     return report
+
+
+def _ending(state_file: dict[str, Any], sections: dict[str, str], exit_code: int | None):
+    """How a run whose state.json says running, and whose process is gone, ended (postmortem.explain)."""
+    from .postmortem import explain
+
+    def integer(text: str | None) -> int | None:
+        return int(text) if text and text.strip().isdigit() else None
+
+    container = sections.get("container", "").split()
+    oom_killed = container[0] == "true" if container else None
+    if len(container) == 2 and container[1].lstrip("-").isdigit():
+        exit_code = int(container[1])
+    measured = None
+    memory = sections.get("memory_last", "").splitlines()
+    if len(memory) == 2 and memory[0] != memory[1]:
+        row = dict(zip(memory[0].split(","), memory[1].split(",")))
+        limited = bool((state_file.get("cgroup") or {}).get("limit_bytes"))
+        column = "working_set_bytes" if limited and row.get("working_set_bytes") else "rss_bytes"
+        measured = integer(row.get(column))
+    return explain(state_file, measured_bytes=measured, planned_bytes=integer(sections.get("plan_peak")),
+                   container_oom_killed=oom_killed, cgroup_oom_kills=integer(sections.get("cgroup_oom")),
+                   host_oom_kills_now=integer(sections.get("host_oom")), exit_code=exit_code)
 
 
 def _number(text: str) -> float | str:

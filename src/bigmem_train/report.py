@@ -41,6 +41,8 @@ def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
     figure, axis = plt.subplots(figsize=(8, 4))
     axis.plot(times, [row["rss_bytes"] / GIB for row in memory], label="resident (RSS)")
     axis.plot(times, [row.get("anon_hugepages_bytes", 0) / GIB for row in memory], label="of which THP", alpha=0.7)
+    if metrics.get("memory_measure", "rss") != "rss":
+        axis.plot(times, [row.get("working_set_bytes", 0) / GIB for row in memory], label="cgroup working set")
     for key in memory[0]:
         if key.startswith("node") and key.endswith("_bytes"):
             axis.plot(times, [row.get(key, 0) / GIB for row in memory], label=key[:-6], linestyle=":")
@@ -105,6 +107,17 @@ def _planned_memory_rows(plan: dict, metrics: dict) -> str:
     return "\n".join(rows)
 
 
+def _measure_statement(metrics: dict) -> str:
+    """Which memory the verdict's footprint check and the memory guard judge, and its peak."""
+    measure = metrics.get("memory_measure")
+    if not measure:
+        return "resident memory (RSS)"
+    peak = metrics.get("peak_measured_bytes")
+    what = ("resident memory (RSS): no memory cgroup limit applied" if measure == "rss" else
+            f"{measure} (charged to the run's cgroup less inactive page cache: what its limit acts on)")
+    return f"{what}; peak {format_bytes(peak)}" if peak else what
+
+
 def write_report(run_dir: Path) -> Path:
     """Write RUN_DIR/report.html (and memory.png, training.png); returns the HTML path."""
     run_dir = Path(run_dir)
@@ -122,7 +135,10 @@ def write_report(run_dir: Path) -> Path:
     rows = [
         ("Verdict", verdict.get("verdict", "not validated")),
         ("Input shape x batch", f"{metrics.get('input_shape')} x {metrics.get('batch_size')}"),
-        ("Peak resident memory", size(metrics.get("peak_rss_bytes"))),
+        ("Judged memory measure", _measure_statement(metrics)),
+        ("Peak resident memory (RSS)", size(metrics.get("peak_rss_bytes"))),
+        ("Peak cgroup working set / charge", f"{size(metrics.get('peak_cgroup_working_set_bytes'))} / "
+                                             f"{size(metrics.get('peak_cgroup_charged_bytes'))}"),
         ("Planned peak", size(metrics.get("planned_peak_bytes"))),
         ("Target", size(metrics.get("target_bytes"))),
         ("Median step time", f"{metrics.get('median_step_seconds')} s"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,10 @@ from .config import Config
 from .errors import BadInput
 
 STATE_FILE = "state.json"
-RUNNING, FINISHED, FAILED = "running", "finished", "failed"
+RUNNING, FINISHED, FAILED, STOPPED = "running", "finished", "failed", "stopped"
+# Config fields a run the memory guard stopped may change when it is resumed: the U-Net's weights and its
+# optimizer state do not depend on them.
+RESIZABLE_ON_RESUME = (("training", "batch_size"), ("data", "input_shape"))
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -44,6 +48,57 @@ def set_state(run_dir: Path, state: str, **extra: Any) -> None:
     if state == FINISHED:
         current["finished"] = current["updated"]
     write_json(Path(run_dir) / STATE_FILE, current)
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError:
+        return ""
+
+
+def process_identity() -> dict[str, Any]:
+    """What tells, later and from elsewhere, whether the process writing a run still exists and why it
+    ended: PID, its start time (so a reused PID is not taken for it), PID namespace, boot id, hostname,
+    its memory cgroup with that cgroup's OOM kill counter, and the host's OOM kill counter, now."""
+    from .host import find_memory_cgroup, host_oom_kills
+
+    stat = _read_text("/proc/self/stat")
+    fields = stat.rsplit(")", 1)[-1].split()
+    identity: dict[str, Any] = {
+        "pid": os.getpid(),
+        # Field 22 of /proc/PID/stat (the 20th after the command name): start time in clock ticks since boot.
+        "start_ticks": int(fields[19]) if len(fields) > 19 else None,
+        "pid_namespace": os.readlink("/proc/self/ns/pid") if os.path.exists("/proc/self/ns/pid") else None,
+        "boot_id": _read_text("/proc/sys/kernel/random/boot_id").strip() or None,
+        "hostname": os.uname().nodename,
+        "host_oom_kills": host_oom_kills(),
+    }
+    # The Docker container this runs in (its files are mounted from /var/lib/docker/containers/ID/), so a
+    # later look from the host can ask Docker how it ended, whatever the cgroup namespace shows.
+    container = re.search(r"/containers/([0-9a-f]{64})/", _read_text("/proc/self/mountinfo"))
+    if container:
+        identity["container_id"] = container.group(1)
+    cgroup = find_memory_cgroup()
+    if cgroup is not None:
+        identity["cgroup"] = {"version": cgroup.version, "path": cgroup.path, "folder": str(cgroup.folder),
+                              "oom_counter_file": str(cgroup.oom_counter_file),
+                              "oom_kills": cgroup.oom_kills(), "limit_bytes": cgroup.limit_bytes()}
+    return identity
+
+
+def _resizable_difference(saved_text: str, resolved_text: str) -> list[str] | None:
+    """The resizable fields (dotted) two configs differ in, or None when they differ anywhere else."""
+    import yaml
+
+    saved, resolved = yaml.safe_load(saved_text), yaml.safe_load(resolved_text)
+    changed = []
+    for section, key in RESIZABLE_ON_RESUME:
+        if (saved.get(section) or {}).get(key) != (resolved.get(section) or {}).get(key):
+            changed.append(f"{section}.{key}")
+            saved.setdefault(section, {})[key] = (resolved.get(section) or {}).get(key)
+    return changed if saved == resolved else None
 
 
 def ensure_writable(folder: Path) -> None:
@@ -82,7 +137,13 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
             raise BadInput(f"run {run_dir} already finished; choose another --run-name (it is kept as it is)")
         saved = run_dir / "config.yaml"
         if saved.exists() and saved.read_text() != resolved:
-            raise BadInput(f"run {run_dir} exists with a different config; choose another --run-name")
+            stopped_for_memory = read_state(run_dir).get("stopped") == "memory"
+            changed = _resizable_difference(saved.read_text(), resolved) if stopped_for_memory else None
+            if not changed:
+                hint = (" (a run the memory guard stopped may change only training.batch_size and "
+                        "data.input_shape)" if stopped_for_memory else "")
+                raise BadInput(f"run {run_dir} exists with a different config; choose another --run-name{hint}")
+            print(f"bigmem-train: resuming {run_dir.name} with a new {' and '.join(changed)}", flush=True)
         if not (run_dir / STATE_FILE).exists() and any(run_dir.iterdir()):
             raise BadInput(f"{run_dir} exists and is not a bigmem-train run; choose another --run-name")
         resuming = (run_dir / "backup").exists()
@@ -96,7 +157,11 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
         run_dir.mkdir(parents=True)
         resuming = False
     (run_dir / "config.yaml").write_text(resolved)
-    set_state(run_dir, RUNNING, pid=os.getpid())
+    # A resumed run drops what the last session ended with (the guard's stop, an error).
+    state = {key: value for key, value in read_state(run_dir).items() if key not in {"stopped", "error", "guard"}}
+    if state:
+        write_json(run_dir / STATE_FILE, state)
+    set_state(run_dir, RUNNING, **process_identity())
     return run_dir, resuming
 
 
@@ -128,9 +193,19 @@ def read_step_seconds(path: Path) -> list[float]:
 
 
 def read_memory_csv(path: Path) -> list[dict[str, float]]:
-    """Rows of a memory.csv as floats (for validation and the report)."""
+    """Rows of a memory.csv as floats (for validation and the report); empty cells are left out."""
     if not Path(path).exists():
         return []
     with open(path, newline="") as handle:
-        return [{key: float(value) for key, value in row.items() if value not in (None, "")}
-                for row in csv.DictReader(handle)]
+        rows = []
+        for row in csv.DictReader(handle):
+            parsed = {}
+            for key, value in row.items():
+                if key is None or value in (None, ""):
+                    continue
+                try:
+                    parsed[key] = float(value)
+                except (TypeError, ValueError):
+                    continue
+            rows.append(parsed)
+        return rows

@@ -2,7 +2,8 @@
 
 Keras does the work: ``model.fit`` with BackupAndRestore (a killed run resumes at its last finished
 epoch), ModelCheckpoint (last and best), CSVLogger, TensorBoard, and :mod:`.progress` for a person watching. A
-sampler thread records memory beside it.
+sampler thread records memory beside it, and the memory guard (guard.py) stops the run at a step boundary,
+checkpoint saved, before the kernel's OOM killer would.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from typing import Any
 from . import distribute
 from .config import Config
 from .data import bad_input_from, make_datasets
+from .guard import MemoryGuard, MemoryStopped, guard_callback
 from .host import HostFacts, onednn_enabled, preloaded_allocator
 from .launch import choose_threads, start_tensorflow
 from .memory.plan import JobPlan
-from .monitor import MemorySampler
+from .monitor import MemoryProbe, MemorySampler
 from .progress import progress_callback
 from .rundir import read_history, read_memory_csv, read_step_seconds, write_json
+from .sizes import format_bytes
 
 
 def tensorflow_build_info() -> dict[str, Any]:
@@ -113,9 +116,21 @@ def compute_metrics(run_dir: Path, config: Config, plan: JobPlan | None,
         if key.startswith("node") and key.endswith("_bytes"):
             node_peaks[key[: -len("_bytes")]] = int(max(row.get(key, 0) for row in memory))
     huge_peak = int(max((row.get("anon_hugepages_bytes", 0) for row in memory), default=0))
+    working_set_peak = int(max((row.get("working_set_bytes", 0) for row in memory), default=0))
+    charged_peak = int(max((row.get("charged_bytes", 0) for row in memory), default=0))
+    usable = [int(row["usable_bytes"]) for row in memory if "usable_bytes" in row]
+    measure = (extra or {}).get("memory_measure") or "rss"
+    # The judged peak: what the kernel's limit acts on when the run has a memory cgroup, else RSS.
+    measured_peak = working_set_peak if measure != "rss" and working_set_peak else peak
     metrics: dict[str, Any] = {
+        "memory_measure": measure,
+        "peak_measured_bytes": measured_peak,
+        "peak_measured_gib": round(measured_peak / 1024**3, 3),
         "peak_rss_bytes": peak,
         "peak_rss_gib": round(peak / 1024**3, 3),
+        "peak_cgroup_working_set_bytes": working_set_peak or None,
+        "peak_cgroup_charged_bytes": charged_peak or None,
+        "least_usable_bytes": min(usable) if usable else None,
         "peak_anon_hugepages_bytes": huge_peak,
         "hugepage_share_at_peak": round(huge_peak / peak, 3) if peak else 0.0,
         "peak_numa_node_bytes": node_peaks,
@@ -135,6 +150,7 @@ def compute_metrics(run_dir: Path, config: Config, plan: JobPlan | None,
         "precision": config.runtime.precision,
     }
     if plan and plan.peak_bytes and peak:
+        # Against RSS: the planner models the process's own memory.
         metrics["planned_vs_measured_error"] = round((plan.peak_bytes - peak) / peak, 4)
     metrics.update(extra or {})
     return metrics
@@ -157,7 +173,7 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
           host: HostFacts, resuming: bool = False) -> dict[str, Any]:
     """Train the configured U-Net; write history, steps, memory, checkpoints and metrics.json."""
     intra, inter = choose_threads(config, host, plan.placement.cpus if plan else None)
-    tf = start_tensorflow(intra, inter)
+    tf = start_tensorflow(intra, inter, start_runtime=config.training.strategy != "multi_worker")
     import keras
 
     from .model import compile_model  # imports Keras, so TensorFlow: after the threads are set
@@ -179,8 +195,12 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
     step_timer = StepTimer.create(run_dir / "steps.csv", run_dir / "progress.json", datasets.train_steps)
+    backup = keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True)
+    probe = MemoryProbe()
+    planned_peak = plan.peak_bytes if plan else None
+    guard = MemoryGuard.for_config(config, planned_peak, probe) if config.guard.enabled else None
     callbacks = [
-        keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True),
+        backup,
         step_timer,
         keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True),
         keras.callbacks.ModelCheckpoint(str(checkpoints / "last.keras")),
@@ -189,6 +209,9 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
     ]
     if config.output.tensorboard:
         callbacks.append(keras.callbacks.TensorBoard(str(run_dir / "tensorboard"), update_freq="epoch"))
+    if guard is not None:
+        # After the step timer, so the step that tripped it is recorded.
+        callbacks.insert(2, guard_callback(guard, backup, config, run_dir.name))
     if is_chief:
         callbacks.append(progress_callback(config.training.epochs, datasets.train_steps,
                                            plan.peak_bytes if plan else None))
@@ -200,9 +223,19 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
           f"oneDNN {'on' if build['onednn_enabled'] else 'off'}"
           + (" (resuming from backup)" if resuming else ""), flush=True)
     started = time.time()
-    with MemorySampler(run_dir / "memory.csv", config.output.sample_interval, numa_nodes) as sampler:
+    listeners = [guard.observe] if guard is not None else []
+    print(f"bigmem-train: memory measured as {probe.measure}"
+          + (f" ({probe.cgroup.path}, limit {format_bytes(probe.cgroup.limit_bytes())})"
+             if probe.cgroup is not None and probe.cgroup.limit_bytes() else "")
+          + (f"; guard stops at {config.guard.threshold:.0%} of usable memory" if guard is not None else "; guard off"),
+          flush=True)
+    stopped: MemoryStopped | None = None
+    with MemorySampler(run_dir / "memory.csv", config.output.sample_interval, numa_nodes, probe=probe,
+                       listeners=listeners) as sampler:
         try:
             _fit(model, datasets, config, callbacks)
+        except MemoryStopped as error:
+            stopped = error
         except tf.errors.OpError as error:
             # A volume that turned out unreadable mid-run: one line naming the file, exit 2.
             bad_input = bad_input_from(error)
@@ -226,7 +259,17 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
         "numa_policy": plan.placement.policy if plan else "none",
         "strategy": config.training.strategy,
         "resumed": resuming,
+        "memory_measure": probe.measure,
+        "cgroup": None if probe.cgroup is None else {
+            "version": probe.cgroup.version, "path": probe.cgroup.path, "limit_bytes": probe.cgroup.limit_bytes(),
+            "kernel_peak_bytes": probe.cgroup.peak_bytes()},
+        "sampler_cpu_seconds": round(sampler.cpu_seconds, 3),
+        "sampler_page_table_walks": sampler.walks,
+        "guard": None if guard is None else {"threshold": config.guard.threshold, "room": config.guard.room,
+                                             "stopped": stopped.record if stopped else None},
     }
     metrics = compute_metrics(run_dir, config, plan, session_peak, extra)
     write_json(run_dir / "metrics.json", metrics)
+    if stopped is not None:
+        raise stopped
     return metrics

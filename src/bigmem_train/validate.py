@@ -10,6 +10,7 @@ from typing import Any
 
 from .config import load_config
 from .errors import BadInput
+from .postmortem import diagnose
 from .rundir import FINISHED, read_history, read_json, read_memory_csv, read_state, write_json
 from .sizes import format_bytes
 
@@ -39,6 +40,19 @@ class Verdict:
         return asdict(self)
 
 
+MEASURE_NAMES = {"rss": "resident memory, RSS"}
+
+
+def judged_peak(run_dir: Path, metrics: dict[str, Any]) -> tuple[str, int]:
+    """(measure, peak) the footprint check judges: the run's cgroup working set when its cgroup had a limit
+    (what the kernel enforces), else RSS; metrics.json's ``memory_measure`` says which."""
+    measure = metrics.get("memory_measure") or "rss"
+    column, figure = ("rss_bytes", "peak_rss_bytes") if measure == "rss" else \
+        ("working_set_bytes", "peak_cgroup_working_set_bytes")
+    memory = read_memory_csv(Path(run_dir) / "memory.csv")
+    return measure, max([int(metrics.get(figure) or 0)] + [int(row.get(column, 0)) for row in memory])
+
+
 def _history(run_dir: Path) -> list[dict[str, float]]:
     return read_history(run_dir / "history.csv")
 
@@ -56,8 +70,17 @@ def evaluate(run_dir: Path) -> Verdict:
     metrics = read_json(run_dir / "metrics.json") if (run_dir / "metrics.json").exists() else {}
     criteria: list[Criterion] = []
 
+    state_file = read_state(run_dir)
+    finished_detail = f"state {state}, {len(history)} of {config.training.epochs} epochs in history.csv"
+    ending = diagnose(run_dir, state_file)
+    if ending is not None:
+        # state.json says running, but its process is gone: say how it ended.
+        finished_detail = f"{ending.message} ({ending.evidence})" if ending.evidence else ending.message
+        finished_detail += f"; {len(history)} of {config.training.epochs} epochs finished"
+    elif state_file.get("stopped") == "memory":
+        finished_detail = f"stopped by the memory guard: {state_file.get('message', '')}"
     criteria.append(Criterion("finished", state == FINISHED and config.training.epochs <= len(history),
-                              f"state {state}, {len(history)} of {config.training.epochs} epochs in history.csv"))
+                              finished_detail))
 
     values = [value for row in history for key, value in row.items() if key != "epoch"]
     nan_count = sum(1 for value in values if not math.isfinite(value))
@@ -84,18 +107,21 @@ def evaluate(run_dir: Path) -> Verdict:
     tolerance = config.footprint.tolerance
     target = metrics.get("target_bytes")
     if target:
-        distance = abs(peak - target) / target
+        measure, judged = judged_peak(run_dir, metrics)
+        distance = abs(judged - target) / target
         criteria.append(Criterion(
             "footprint", distance <= tolerance,
-            f"peak {format_bytes(peak)} vs target {format_bytes(target)}: {distance:.1%} off, tolerance {tolerance:.0%}"))
+            f"peak {format_bytes(judged)} ({MEASURE_NAMES.get(measure, measure)}) vs target {format_bytes(target)}: "
+            f"{distance:.1%} off, tolerance {tolerance:.0%}"))
     planned = metrics.get("planned_peak_bytes")
     if planned and peak:
-        # Every run checks the planner: a plan off by more than the tolerance would let preflight accept a
-        # job that the host cannot hold (under) or refuse one it can (over).
+        # Every run checks the planner (which models resident memory) against the measured RSS peak: a plan
+        # off by more than the tolerance would let preflight accept a job the host cannot hold (under) or
+        # refuse one it can (over).
         error = (planned - peak) / peak
         criteria.append(Criterion(
             "plan", abs(error) <= tolerance,
-            f"planned {format_bytes(planned)} vs measured peak {format_bytes(peak)}: {error:+.1%} "
+            f"planned {format_bytes(planned)} vs measured peak {format_bytes(peak)} (RSS): {error:+.1%} "
             f"({'under' if error < 0 else 'over'}-predicted), tolerance {tolerance:.0%}"))
 
     verdict = "PASS" if all(criterion.passed for criterion in criteria) else "FAIL"

@@ -71,3 +71,34 @@ def test_resolved_config_round_trips(tmp_path):
     config = load_config(None, {"footprint.target": "80%"})
     path = write(tmp_path, config.to_yaml())
     assert load_config(path) == config
+
+
+def test_a_key_given_twice_is_refused_naming_the_key_and_both_lines(tmp_path):
+    path = write(tmp_path, "model:\n  base_filters: 16\n  depth: 3\n  base_filters: 32\ntraining:\n  epochs: 2\n")
+    with pytest.raises(BadInput) as error:
+        load_config(path)
+    message = str(error.value)
+    assert message == (f"config file {path}: key 'base_filters' is given twice in one mapping (lines 2 and 4)")
+    # A section given twice is refused too, at the top level.
+    path = write(tmp_path, "training:\n  epochs: 2\nmodel:\n  depth: 2\ntraining:\n  epochs: 3\n")
+    with pytest.raises(BadInput, match=r"key 'training' is given twice in one mapping \(lines 1 and 5\)"):
+        load_config(path)
+
+
+def test_the_same_key_in_different_mappings_and_merge_overrides_are_fine():
+    from bigmem_train.config import load_yaml
+
+    assert load_yaml("training:\n  seed: 1\nmodel:\n  depth: 2\nother:\n  seed: 2\n")["other"] == {"seed": 2}
+    # YAML's merge key: an explicit key overrides a merged one, as the merge key allows.
+    data = load_yaml("base: &b {epochs: 2, seed: 1}\ntraining:\n  <<: *b\n  epochs: 5\n")
+    assert data["training"] == {"epochs": 5, "seed": 1}
+
+
+def test_duplicate_key_exits_2_from_the_cli(tmp_path, capsys):
+    from bigmem_train.cli import main
+
+    path = write(tmp_path, "model:\n  base_filters: 16\n  base_filters: 32\n")
+    assert main(["plan", "--config", str(path)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"bigmem-train: error: config file {path}: key 'base_filters' is given twice in one "
+                     "mapping (lines 2 and 3)"]

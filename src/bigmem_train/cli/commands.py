@@ -73,7 +73,8 @@ def preflight_command(config: Config, as_json: bool) -> int:
     else:
         print(format_host(host))
         print(f"plan: peak {format_bytes(plan.peak_bytes)}, usable {format_bytes(usable)} "
-              f"(safety margin {config.footprint.safety_margin:.0%}); placement {plan.placement.policy}")
+              f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the "
+              f"{config.footprint.safety_margin:.0%} safety margin); placement {plan.placement.policy}")
     check_fits(plan, host)
     if not as_json:
         print("fits: yes")

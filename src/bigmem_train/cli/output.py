@@ -57,6 +57,7 @@ def host_summary(host: HostFacts) -> dict[str, Any]:
         "cgroup_limit": both(host.cgroup_limit_bytes),
         "cgroup_usage": both(host.cgroup_usage_bytes),
         "limit_total": both(host.limit_total_bytes),
+        "limit_in_force": host.limit_in_force,
         "swap_total": both(host.swap_total_bytes),
         "swap_free": both(host.swap_free_bytes),
         "thp_enabled": host.thp_enabled,

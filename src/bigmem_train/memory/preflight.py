@@ -47,7 +47,7 @@ def check_fits(plan: JobPlan, host: HostFacts) -> None:
     margin = plan.config.footprint.safety_margin
     parts = [
         f"predicted peak {format_bytes(plan.peak_bytes)} exceeds {format_bytes(usable)} usable "
-        f"(available {format_bytes(host.effective_memory_bytes)} less the {margin:.0%} safety margin)",
+        f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the {margin:.0%} safety margin)",
     ]
     if host.cgroup_limit_bytes:
         parts.append(f"cgroup v{host.cgroup_version} limit {format_bytes(host.cgroup_limit_bytes)}")

@@ -1,0 +1,219 @@
+"""Why a run ended without a record of its own: a run directory whose state.json says ``running`` while the
+process that wrote it no longer exists.
+
+state.json records the process's identity when a run starts (``rundir.process_identity``: PID, start time,
+PID namespace, boot id, memory cgroup and its OOM kill counter, the host's OOM kill counter). Later, from
+the same host (``bigmem-train validate``), over SSH (``bigmem-train remote status``) or on the Ansible
+controller (the train role), the evidence is weighed here in one place, and the verdict reads
+"killed by the out-of-memory killer at about X GiB (planned Y GiB)" instead of a bare exit 137:
+
+* Docker's ``OOMKilled`` flag of the run's container;
+* the run's cgroup's OOM kill counter (v2 ``memory.events``, v1 ``memory.oom_control``) above its value
+  at the start;
+* the host's OOM kill counter (``/proc/vmstat``) above its value at the start, with exit 137 or no
+  other explanation (weaker: another process on the host may have been the one killed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .host import host_oom_kills, oom_kill_count
+from .rundir import read_memory_csv
+from .sizes import GIB
+
+EXIT_SIGKILL = 137
+
+
+@dataclass
+class Ending:
+    """How a run that left state.json ``running`` ended."""
+
+    cause: str  # "oom", "killed" (a signal, not the OOM killer by the counters), "rebooted", "unknown"
+    message: str
+    evidence: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"cause": self.cause, "message": self.message, "evidence": self.evidence}
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.2f} GiB"
+
+
+def last_measured_bytes(run_dir: Path, state: dict[str, Any]) -> int | None:
+    """The run's last memory sample in its judged measure (the cgroup working set when its cgroup had a
+    limit, else RSS)."""
+    rows = read_memory_csv(Path(run_dir) / "memory.csv")
+    if not rows:
+        return None
+    limited = bool((state.get("cgroup") or {}).get("limit_bytes"))
+    key = "working_set_bytes" if limited and "working_set_bytes" in rows[-1] else "rss_bytes"
+    value = rows[-1].get(key)
+    return int(value) if value else None
+
+
+def planned_peak_bytes(run_dir: Path) -> int | None:
+    try:
+        return json.loads((Path(run_dir) / "plan.json").read_text()).get("peak_bytes")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def explain(state: dict[str, Any], *, measured_bytes: int | None, planned_bytes: int | None,
+            container_oom_killed: bool | None = None, cgroup_oom_kills: int | None = None,
+            host_oom_kills_now: int | None = None, exit_code: int | None = None,
+            rebooted: bool = False) -> Ending:
+    """Weigh the evidence about a run whose process is gone (see the module) into one message."""
+    where = f"at about {_gib(measured_bytes)}" if measured_bytes else "at an unknown size (no memory sample)"
+    planned = f"planned {_gib(planned_bytes)}" if planned_bytes else "no plan recorded"
+    cgroup = state.get("cgroup") or {}
+    limit = cgroup.get("limit_bytes")
+    limit_text = f"; cgroup v{cgroup.get('version')} limit {_gib(limit)}" if limit else ""
+    evidence = []
+    if container_oom_killed:
+        evidence.append("the container's OOMKilled flag is set")
+    start_count = cgroup.get("oom_kills")
+    if cgroup_oom_kills is not None and start_count is not None and cgroup_oom_kills > start_count:
+        counter = "memory.events" if cgroup.get("version") == 2 else "memory.oom_control"
+        evidence.append(f"cgroup v{cgroup.get('version')} {counter} oom_kill went from {start_count} to "
+                        f"{cgroup_oom_kills} during the run")
+    host_start = state.get("host_oom_kills")
+    host_rose = host_oom_kills_now is not None and host_start is not None and host_oom_kills_now > host_start
+    if not evidence and host_rose and exit_code in (None, EXIT_SIGKILL):
+        evidence.append(f"the host's OOM kill count (/proc/vmstat oom_kill) went from {host_start} to "
+                        f"{host_oom_kills_now} during the run" + (" and it ended with exit 137" if exit_code else ""))
+    if evidence:
+        return Ending("oom", f"killed by the out-of-memory killer {where} ({planned}{limit_text})",
+                      "; ".join(evidence))
+    if rebooted:
+        return Ending("rebooted", f"the host restarted while the run was running (last sample {where}, {planned})")
+    if exit_code == EXIT_SIGKILL or (exit_code is not None and exit_code > 128):
+        return Ending("killed", f"killed by signal {exit_code - 128} {where} ({planned}); not by the out-of-memory "
+                                "killer as far as the OOM counters say")
+    return Ending("unknown", f"the process ended without a record {where} ({planned}); no OOM kill was counted")
+
+
+def _process_alive(state: dict[str, Any]) -> bool | None:
+    """True/False when this host can tell whether the recorded process still runs; None when it cannot."""
+    pid = state.get("pid")
+    here_ns = os.readlink("/proc/self/ns/pid") if os.path.exists("/proc/self/ns/pid") else None
+    if not pid or state.get("pid_namespace") != here_ns:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat.rsplit(")", 1)[-1].split()
+    start = int(fields[19]) if len(fields) > 19 else None
+    return state.get("start_ticks") in (None, start)
+
+
+def container_id(state: dict[str, Any]) -> str | None:
+    """The Docker container a run ran in: recorded from its mounts, else from its cgroup path (``/docker/<id>``,
+    ``docker-<id>.scope``; a private cgroup namespace shows only ``/``)."""
+    if state.get("container_id"):
+        return state["container_id"]
+    match = re.search(r"(?:docker[-/])([0-9a-f]{64})", (state.get("cgroup") or {}).get("path") or "")
+    return match.group(1) if match else None
+
+
+def inspect_container(identifier: str) -> dict[str, Any] | None:
+    """``docker inspect``'s State of a container, or None (no docker CLI, no such container)."""
+    if shutil.which("docker") is None:
+        return None
+    try:
+        result = subprocess.run(["docker", "inspect", "--format", "{{json .State}}", identifier],
+                                capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if result.returncode != 0:
+        return None
+    try:
+        return json.loads(result.stdout)
+    except ValueError:
+        return None
+
+
+def _cgroup_oom_kills_here(state: dict[str, Any]) -> int | None:
+    """The run's cgroup OOM kill counter, read where this process can see it (the recorded file when in the
+    same namespace, else the host's view of the cgroup path)."""
+    cgroup = state.get("cgroup") or {}
+    candidates = [cgroup.get("oom_counter_file")]
+    if cgroup.get("path"):
+        name = "memory.events" if cgroup.get("version") == 2 else "memory.oom_control"
+        base = Path("/sys/fs/cgroup") if cgroup.get("version") == 2 else Path("/sys/fs/cgroup/memory")
+        candidates.append(str(base / cgroup["path"].lstrip("/") / name))
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            try:
+                return oom_kill_count(Path(candidate).read_text())
+            except OSError:
+                continue
+    return None
+
+
+def _cgroup_peak_here(state: dict[str, Any]) -> int | None:
+    folder = (state.get("cgroup") or {}).get("folder")
+    version = (state.get("cgroup") or {}).get("version")
+    if not folder:
+        return None
+    try:
+        text = (Path(folder) / ("memory.peak" if version == 2 else "memory.max_usage_in_bytes")).read_text()
+    except OSError:
+        return None
+    return int(text) if text.strip().isdigit() else None
+
+
+def diagnose(run_dir: Path, state: dict[str, Any]) -> Ending | None:
+    """How the run ended when state.json says ``running`` and its process is gone; None while it runs,
+    when it ended with a record, or when this host cannot tell (another PID namespace and no container)."""
+    if state.get("state") != "running":
+        return None
+    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip() \
+        if Path("/proc/sys/kernel/random/boot_id").exists() else None
+    rebooted = bool(state.get("boot_id") and boot_id and state["boot_id"] != boot_id)
+    container_state = None
+    if not rebooted:
+        alive = _process_alive(state)
+        if alive is None:
+            identifier = container_id(state)
+            container_state = inspect_container(identifier) if identifier else None
+            if container_state is None:
+                return None
+            alive = bool(container_state.get("Running"))
+        if alive:
+            return None
+    exit_code = container_state.get("ExitCode") if container_state else None
+    measured = last_measured_bytes(run_dir, state)
+    if measured is None and not rebooted:
+        # Killed before its first sample: the cgroup's own high-water mark, where it can still be read.
+        measured = _cgroup_peak_here(state)
+    return explain(
+        state, measured_bytes=measured, planned_bytes=planned_peak_bytes(run_dir),
+        container_oom_killed=container_state.get("OOMKilled") if container_state else None,
+        cgroup_oom_kills=None if rebooted else _cgroup_oom_kills_here(state),
+        host_oom_kills_now=None if rebooted else host_oom_kills(), exit_code=exit_code, rebooted=rebooted)
+
+
+def describe_fetched(run_dir: Path, container_oom_killed: bool | None, exit_code: int | None) -> str:
+    """One line on how a run directory copied elsewhere (the Ansible controller) ended, from its files and
+    what the container runtime said (OOMKilled, exit code)."""
+    try:
+        state = json.loads((Path(run_dir) / "state.json").read_text())
+    except (OSError, ValueError):
+        return f"no state.json in {run_dir}"
+    if state.get("state") != "running":
+        detail = state.get("message") or state.get("error") or ""
+        return f"state.json says {state.get('state')}" + (f": {detail}" if detail else "")
+    ending = explain(state, measured_bytes=last_measured_bytes(run_dir, state),
+                     planned_bytes=planned_peak_bytes(run_dir), container_oom_killed=container_oom_killed,
+                     exit_code=exit_code)
+    return ending.message + (f" ({ending.evidence})" if ending.evidence else "")

@@ -1,0 +1,288 @@
+"""Charge-aware measurement and the memory guard's decisions, on recorded cgroup v1/v2 layouts; how a run
+whose process is gone ended (postmortem); which config changes resume a run the guard stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from bigmem_train.config import config_from_dict
+from bigmem_train.errors import BadInput
+from bigmem_train.guard import MemoryGuard, Trip, stop_message
+from bigmem_train.host import find_memory_cgroup, oom_kill_count
+from bigmem_train.monitor import CSV_COLUMNS, MemoryProbe, MemorySample, MemorySampler
+from bigmem_train.rundir import read_memory_csv
+from bigmem_train.postmortem import container_id, diagnose, explain
+from bigmem_train.rundir import FINISHED, STOPPED, prepare_run_dir, process_identity, read_state, set_state
+
+GIB = 1024**3
+MIB = 1024**2
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for relative, text in files.items():
+        path = root / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def v2_layout(root: Path, current: int = 3 * GIB, inactive_file: int = GIB, oom_kill: int = 2) -> Path:
+    """A container's cgroup v2 view: the limit sits on the parent slice, the run's cgroup has none."""
+    return write(root, {
+        "proc/self/cgroup": "0::/job.slice/run\n",
+        "sys/fs/cgroup/cgroup.controllers": "cpu memory pids\n",
+        "sys/fs/cgroup/job.slice/memory.max": f"{4 * GIB}\n",
+        "sys/fs/cgroup/job.slice/run/memory.max": "max\n",
+        "sys/fs/cgroup/job.slice/run/memory.current": f"{current}\n",
+        "sys/fs/cgroup/job.slice/run/memory.peak": f"{current + MIB}\n",
+        "sys/fs/cgroup/job.slice/run/memory.stat": f"anon {current - inactive_file}\nfile {inactive_file}\n"
+                                                   f"inactive_file {inactive_file}\n",
+        "sys/fs/cgroup/job.slice/run/memory.events": f"low 0\nhigh 0\nmax 5\noom 3\noom_kill {oom_kill}\n",
+    })
+
+
+def v1_layout(root: Path, usage: int = 3 * GIB, inactive_file: int = GIB, limit: int | str = 2**63 - 4096,
+              hierarchical: int = 6 * GIB) -> Path:
+    """A hybrid host (v2 mounted at unified/ without the memory controller), the run in a v1 docker cgroup."""
+    return write(root, {
+        "proc/self/cgroup": "9:name=systemd:/\n4:memory:/docker/abc\n0::/\n",
+        "sys/fs/cgroup/unified/cgroup.controllers": "hugetlb\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": f"{limit}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{usage}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.max_usage_in_bytes": f"{usage + MIB}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.stat": f"cache {inactive_file}\nrss {usage - inactive_file}\n"
+                                                       f"hierarchical_memory_limit {hierarchical}\n"
+                                                       f"total_inactive_file {inactive_file}\n",
+        "sys/fs/cgroup/memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+    })
+
+
+def test_v2_counters_limit_from_an_ancestor(tmp_path):
+    cgroup = find_memory_cgroup(v2_layout(tmp_path))
+    assert (cgroup.version, cgroup.path) == (2, "/job.slice/run")
+    assert cgroup.limit_bytes() == 4 * GIB
+    assert (cgroup.usage_bytes(), cgroup.peak_bytes()) == (3 * GIB, 3 * GIB + MIB)
+    assert cgroup.inactive_file_bytes() == GIB
+    assert cgroup.oom_kills() == 2 and cgroup.oom_counter_file.name == "memory.events"
+
+
+def test_v1_counters_hybrid_layout(tmp_path):
+    cgroup = find_memory_cgroup(v1_layout(tmp_path))
+    assert (cgroup.version, cgroup.path) == (1, "/docker/abc")
+    assert cgroup.limit_bytes() == 6 * GIB  # "no limit" of its own, the parent's through hierarchical_memory_limit
+    assert (cgroup.usage_bytes(), cgroup.peak_bytes()) == (3 * GIB, 3 * GIB + MIB)
+    assert cgroup.inactive_file_bytes() == GIB
+    assert cgroup.oom_kills() == 1 and cgroup.oom_counter_file.name == "memory.oom_control"
+
+
+def test_no_memory_cgroup(tmp_path):
+    write(tmp_path, {"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cgroup.controllers": "cpu\n"})
+    assert find_memory_cgroup(tmp_path) is None
+    assert oom_kill_count("pgfault 12\noom_kill 7\n") == 7 and oom_kill_count("") is None
+
+
+def test_probe_judges_the_working_set_of_a_limited_cgroup(tmp_path):
+    probe = MemoryProbe(find_memory_cgroup(v1_layout(tmp_path)))
+    assert probe.measure == "cgroup v1 working set"
+    probe.refresh_page_cache()
+    sample = probe.read()
+    assert sample.charged_bytes == 3 * GIB and sample.working_set_bytes == 2 * GIB
+    assert sample.measured_bytes == 2 * GIB  # RSS of this test process is not what is judged
+    assert sample.usable_bytes <= 6 * GIB
+
+
+def test_probe_judges_rss_in_an_unlimited_cgroup(tmp_path):
+    probe = MemoryProbe(find_memory_cgroup(v1_layout(tmp_path, hierarchical=2**63 - 4096)))
+    assert probe.measure == "rss"
+    sample = probe.read()
+    assert sample.measured_bytes == sample.rss_bytes > 0
+    assert sample.charged_bytes == 3 * GIB  # still recorded
+
+
+def sample(measured: int, usable: int, measure: str = "cgroup v2 working set") -> MemorySample:
+    return MemorySample(time.time(), rss_bytes=measured, charged_bytes=measured, working_set_bytes=measured,
+                        usable_bytes=usable, measure=measure)
+
+
+def test_guard_threshold_and_over_plan():
+    guard = MemoryGuard(threshold=0.97, room=0.10, tolerance=0.10, planned_peak_bytes=10 * GIB, probe=None)
+    assert guard.check(sample(int(9.6 * GIB), 10 * GIB)) is None
+    assert guard.check(sample(int(9.71 * GIB), 10 * GIB)) == "threshold"
+    # Over the plan by more than the tolerance with little room left...
+    assert guard.check(sample(int(11.5 * GIB), 12 * GIB)) == "over_plan"
+    # ... but not with room to spare, nor within the tolerance.
+    assert guard.check(sample(int(11.5 * GIB), 20 * GIB)) is None
+    assert guard.check(sample(int(10.9 * GIB), int(11.5 * GIB))) is None
+    assert guard.check(sample(GIB, None)) is None
+
+
+def test_guard_confirms_a_trip_with_fresh_page_cache_figures(tmp_path):
+    # 3 GiB charged of a 3.1 GiB limit, but 1 GiB of it is inactive page cache the kernel drops first.
+    cgroup = find_memory_cgroup(v2_layout(tmp_path, current=3 * GIB, inactive_file=GIB))
+    write(tmp_path, {"sys/fs/cgroup/job.slice/memory.max": f"{int(3.1 * GIB)}\n"})
+    probe = MemoryProbe(cgroup)
+    guard = MemoryGuard(0.9, 0.1, 0.1, None, probe)
+    guard.observe(probe.read())  # no page-cache figure read yet: the whole 3 GiB charge, fresh figures say 2 GiB
+    assert guard.trip is None
+    # The kernel reclaimed the cache and the run took its place: the stale figure (1 GiB) would say 2 GiB.
+    write(tmp_path, {"sys/fs/cgroup/job.slice/run/memory.stat": "inactive_file 0\n"})
+    guard.observe(probe.read())
+    assert guard.trip is not None and guard.trip.reason == "threshold"
+    assert guard.trip.sample.measured_bytes == 3 * GIB
+
+
+def test_stop_message_names_planned_measured_usable_and_the_fit():
+    config = config_from_dict({"training": {"batch_size": 8}, "data": {"input_shape": [96, 96, 64]}})
+    guard = MemoryGuard(0.97, 0.1, 0.1, 10 * GIB, None)
+    trip = Trip("threshold", sample(int(11.7 * GIB), 12 * GIB, "cgroup v1 working set"))
+    line = stop_message(trip, guard, config, epoch=2, step=4, run_name="big", batch=5, shape=None)
+    assert "epoch 3, step 5" in line and "passed 97% of usable memory" in line
+    assert "planned 10737418240 B (10.00 GiB)" in line and "(cgroup v1 working set)" in line
+    assert "usable 12884901888 B (12.00 GiB)" in line
+    assert "largest batch the measurement says fits at 96x96x64: 5" in line
+    assert "--set training.batch_size=5 --run-name big" in line
+    line = stop_message(trip, guard, config, 2, 4, "big", batch=0, shape=(64, 64, 48))
+    assert "not even batch 1 fits" in line and "64x64x48" in line
+
+
+def test_sampler_walks_page_tables_rarely_and_counts_its_cpu(tmp_path):
+    seen = []
+    sampler = MemorySampler(tmp_path / "memory.csv", interval=0.01, walk_interval=3600, listeners=[seen.append])
+    with sampler:
+        time.sleep(0.5)
+    assert sampler.samples >= 10 and len(seen) == sampler.samples
+    assert sampler.walks == 2  # the first sample and the last one
+    assert 0 < sampler.cpu_seconds < 0.5
+    rows = read_memory_csv(tmp_path / "memory.csv")
+    assert len(rows) == sampler.samples
+    header = (tmp_path / "memory.csv").read_text().splitlines()[0].split(",")
+    assert header[: len(CSV_COLUMNS)] == CSV_COLUMNS
+    assert all(row["rss_bytes"] > 0 and row["usable_bytes"] > 0 for row in rows)
+
+
+# --- postmortem ------------------------------------------------------------------------------------
+
+
+STATE = {"state": "running", "pid": 12345, "host_oom_kills": 4,
+         "cgroup": {"version": 1, "path": "/docker/" + "ab" * 32, "oom_kills": 0, "limit_bytes": 2 * GIB}}
+
+
+def test_explain_weighs_the_evidence():
+    oom = explain(STATE, measured_bytes=int(1.9 * GIB), planned_bytes=GIB, container_oom_killed=True, exit_code=137)
+    assert oom.cause == "oom"
+    assert oom.message == ("killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB; "
+                           "cgroup v1 limit 2.00 GiB)")
+    assert "OOMKilled" in oom.evidence
+    counted = explain(STATE, measured_bytes=GIB, planned_bytes=GIB, cgroup_oom_kills=1)
+    assert counted.cause == "oom" and "memory.oom_control oom_kill went from 0 to 1" in counted.evidence
+    host = explain(STATE, measured_bytes=GIB, planned_bytes=GIB, host_oom_kills_now=5, exit_code=137)
+    assert host.cause == "oom" and "/proc/vmstat" in host.evidence
+    signal = explain(STATE, measured_bytes=GIB, planned_bytes=GIB, host_oom_kills_now=4, exit_code=137)
+    assert signal.cause == "killed" and "signal 9" in signal.message and "not by the out-of-memory" in signal.message
+    # A host-wide OOM kill while this run exited 1 on its own is not taken for its end.
+    other = explain(STATE, measured_bytes=GIB, planned_bytes=None, host_oom_kills_now=9, exit_code=1)
+    assert other.cause == "unknown" and "no plan recorded" in other.message
+    assert explain(STATE, measured_bytes=None, planned_bytes=GIB, rebooted=True).cause == "rebooted"
+    assert container_id(STATE) == "ab" * 32
+    # A private cgroup namespace (Docker's default on cgroup v2) shows "/": the id recorded from the mounts.
+    private = {**STATE, "cgroup": {**STATE["cgroup"], "path": "/"}}
+    assert container_id(private) is None and container_id({**private, "container_id": "cd" * 32}) == "cd" * 32
+
+
+def test_diagnose_tells_a_gone_process_from_a_live_one(tmp_path):
+    (tmp_path / "plan.json").write_text(json.dumps({"peak_bytes": GIB}))
+    live = {**process_identity(), "state": "running"}
+    assert diagnose(tmp_path, live) is None
+    child = subprocess.Popen(["true"])
+    child.wait()
+    gone = {**live, "pid": child.pid, "host_oom_kills": None}
+    gone.pop("cgroup", None)
+    ending = diagnose(tmp_path, gone)
+    assert ending is not None and ending.cause == "unknown" and "planned 1.00 GiB" in ending.message
+    # The same PID reused by another process is still "gone" (its start time differs).
+    assert diagnose(tmp_path, {**live, "start_ticks": live["start_ticks"] - 1}) is not None
+    assert diagnose(tmp_path, {**live, "state": FINISHED}) is None
+
+
+def test_process_identity_records_what_postmortem_needs():
+    identity = process_identity()
+    assert identity["pid"] == os.getpid() and identity["start_ticks"] > 0
+    assert identity["boot_id"] and identity["pid_namespace"].startswith("pid:")
+
+
+# --- resuming a run the guard stopped --------------------------------------------------------------
+
+
+def job(tmp_path, **training):
+    return config_from_dict({"data": {"input_shape": [32, 32, 16]}, "model": {"depth": 2},
+                             "training": {"batch_size": 4, **training},
+                             "output": {"results_dir": str(tmp_path), "run_name": "r"}})
+
+
+def test_a_run_the_guard_stopped_resumes_with_a_smaller_batch_only(tmp_path):
+    run_dir, resuming = prepare_run_dir(job(tmp_path))
+    (run_dir / "backup").mkdir()
+    with pytest.raises(BadInput, match="different config"):
+        prepare_run_dir(job(tmp_path, batch_size=2))  # not stopped by the guard: refused as before
+    set_state(run_dir, STOPPED, stopped="memory", message="memory guard stopped the run")
+    with pytest.raises(BadInput, match="may change only training.batch_size and data.input_shape"):
+        prepare_run_dir(job(tmp_path, batch_size=2, epochs=3))
+    again, resuming = prepare_run_dir(job(tmp_path, batch_size=2))
+    assert again == run_dir and resuming
+    state = read_state(run_dir)
+    assert state["state"] == "running" and "stopped" not in state and state["pid"] == os.getpid()
+
+
+def test_remote_status_weighs_what_its_round_trip_read():
+    from bigmem_train.remote import _ending
+
+    header = ",".join(CSV_COLUMNS)
+    last = f"1.0,1.0,{3 * GIB},0,{2 * GIB},{int(1.9 * GIB)},{2 * GIB}"
+    docker = _ending(STATE, {"container": "true 137", "memory_last": f"{header}\n{last}", "plan_peak": str(GIB),
+                             "host_oom": "4"}, exit_code=None)
+    assert docker.cause == "oom" and "OOMKilled" in docker.evidence
+    assert docker.message.startswith("killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB")
+    process = _ending({**STATE, "cgroup": {**STATE["cgroup"], "limit_bytes": None}},
+                      {"memory_last": f"{header}\n{last}", "cgroup_oom": "1", "host_oom": "5"}, exit_code=137)
+    assert process.cause == "oom" and "at about 3.00 GiB" in process.message  # RSS: no limit, no working set judged
+    assert "no plan recorded" in process.message
+    plain = _ending(STATE, {"container": "false 137", "host_oom": "4", "cgroup_oom": ""}, exit_code=None)
+    assert plain.cause == "killed"
+
+
+@pytest.fixture
+def recorded_planner(recorded_tables):
+    """The planner on recorded layer tables and fixed constants (no TensorFlow)."""
+    from bigmem_train.memory import constants, layers, sizing
+
+    return lambda config, batch, shape: sizing._peak(config, layers.layer_table(config),
+                                                     constants.load_calibration(), batch, shape)
+
+
+def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_planner):
+    from bigmem_train.guard import largest_fitting_job
+
+    config = config_from_dict({"data": {"input_shape": [128, 128, 128]}, "training": {"batch_size": 8}})
+    shape = (128, 128, 128)
+    planned = recorded_planner(config, 8, shape)
+    usable = planned  # the plan just fitted, but the run measured 1 GiB more than planned
+    measured = planned + GIB
+    batch, fitting_shape = largest_fitting_job(config, planned, measured, usable)
+    allowed = usable * 0.97 * 0.9
+    shift = measured - planned
+    assert 1 <= batch < 8 and fitting_shape is None
+    assert recorded_planner(config, batch, shape) + shift <= allowed
+    assert recorded_planner(config, batch + 1, shape) + shift > allowed  # the largest
+    # Far over: not even batch 1 at this shape; the largest shape at batch 1 that sheds enough.
+    shift = int(allowed - recorded_planner(config, 1, shape)) + 64 * MIB
+    batch, fitting_shape = largest_fitting_job(config, planned, planned + shift, usable)
+    assert batch == 0 and fitting_shape is not None and fitting_shape != shape
+    assert all(edge <= limit for edge, limit in zip(fitting_shape, shape))
+    assert recorded_planner(config, 1, fitting_shape) + shift <= allowed
+    assert largest_fitting_job(config, None, measured, usable) == (0, None)
