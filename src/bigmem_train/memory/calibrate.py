@@ -35,7 +35,7 @@ from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
 from .estimate import breakdown_for
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
-# 8 and 16 filters, depths 3..4, peaks from 0.9 to about 2.7 GiB. The two larger jobs are there because
+# 8 to 32 filters, depths 3..5, whole-run peaks from 1.0 to 2.5 GiB. The two larger jobs are there because
 # the activation factor is not the same at every size: on jobs of 0.9-1.5 GiB the runtime baseline is
 # 60-85 % of the peak and hides it, and fitted on those alone it came out too low for jobs of 2-4 GiB
 # (the 160x152x104 job of tests/integration/test_target.py: -7 %). They cost about 5 of the ~13 minutes.
@@ -47,6 +47,11 @@ CALIBRATION_JOBS: list[dict[str, Any]] = [
     {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1},
     {"shape": (144, 128, 96), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
     {"shape": (112, 112, 96), "batch": 2, "filters": 8, "depth": 4, "channels": 1},
+    # Wider models, so the parameter-copies constant is fitted over 0.35-22.6 M parameters, not 0.35-5.6 M.
+    {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 5, "channels": 1},
+    {"shape": (64, 48, 48), "batch": 2, "filters": 24, "depth": 4, "channels": 1},
+    {"shape": (64, 64, 48), "batch": 1, "filters": 32, "depth": 3, "channels": 1},
+    {"shape": (96, 96, 48), "batch": 1, "filters": 16, "depth": 3, "channels": 4},
 ]
 
 
