@@ -125,15 +125,17 @@ def quiet_native_start_up() -> Iterator[None]:
                     print(line, file=sys.stderr)
 
 
-def start_tensorflow(intra_op_threads: int, inter_op_threads: int):
+def start_tensorflow(intra_op_threads: int, inter_op_threads: int, start_runtime: bool = True):
     """Import TensorFlow with these thread pools and start its runtime, without its start-up noise;
-    returns the ``tensorflow`` module."""
+    returns the ``tensorflow`` module. ``start_runtime`` False leaves the runtime to start later: a
+    multi-worker strategy must configure its collective ops before it starts."""
     with quiet_native_start_up():
         import tensorflow as tf
 
         tf.config.threading.set_intra_op_parallelism_threads(intra_op_threads)
         tf.config.threading.set_inter_op_parallelism_threads(inter_op_threads)
-        tf.config.list_logical_devices("CPU")  # starts the runtime now, and its start-up lines with it
+        if start_runtime:
+            tf.config.list_logical_devices("CPU")  # starts the runtime now, and its start-up lines with it
     return tf
 
 

@@ -157,7 +157,7 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
           host: HostFacts, resuming: bool = False) -> dict[str, Any]:
     """Train the configured U-Net; write history, steps, memory, checkpoints and metrics.json."""
     intra, inter = choose_threads(config, host, plan.placement.cpus if plan else None)
-    tf = start_tensorflow(intra, inter)
+    tf = start_tensorflow(intra, inter, start_runtime=config.training.strategy != "multi_worker")
     import keras
 
     from .model import compile_model  # imports Keras, so TensorFlow: after the threads are set
