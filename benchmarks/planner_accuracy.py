@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bigmem_train.config import load_config
+from bigmem_train.errors import BadInput
 from bigmem_train.memory.calibrate import CALIBRATION_JOBS, job_config, measure_run, predicted_for_run
 from bigmem_train.memory.constants import Calibration, load_calibration
 
@@ -106,7 +107,11 @@ def measure(results: Path, repeats: int, max_bytes: float, only: list[int] | Non
             if predicted > max_bytes:
                 continue
             load = os.getloadavg()[0]
-            metrics = measure_run(config, workdir, f"sweep-{index}")
+            try:
+                metrics = measure_run(config, workdir, f"sweep-{index}")
+            except BadInput as error:  # one job that cannot run here (memory, a killed child) stops no other
+                print(f"[{index}] {describe(job)}: not measured: {error}", flush=True)
+                continue
             record = {"job": {**job, "shape": list(job["shape"])}, "peak_rss_bytes": metrics["peak_rss_bytes"],
                       "median_step_seconds": metrics.get("median_step_seconds"),
                       "wall_seconds": metrics["wall_seconds"], "load_before": round(load, 2),

@@ -35,7 +35,7 @@ from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
 from .estimate import breakdown_for
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
-# 8 and 16 filters, depths 3..4, peaks from 0.9 to about 2.7 GiB. The two larger jobs are there because
+# 8 to 32 filters, depths 3..5, whole-run peaks from 1.0 to 2.5 GiB. The two larger jobs are there because
 # the activation factor is not the same at every size: on jobs of 0.9-1.5 GiB the runtime baseline is
 # 60-85 % of the peak and hides it, and fitted on those alone it came out too low for jobs of 2-4 GiB
 # (the 160x152x104 job of tests/integration/test_target.py: -7 %). They cost about 5 of the ~13 minutes.
@@ -47,6 +47,17 @@ CALIBRATION_JOBS: list[dict[str, Any]] = [
     {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1},
     {"shape": (144, 128, 96), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
     {"shape": (112, 112, 96), "batch": 2, "filters": 8, "depth": 4, "channels": 1},
+    # Wider models, so the parameter-copies constant is fitted over 0.35-22.6 M parameters, not 0.35-5.6 M.
+    {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 5, "channels": 1},
+    {"shape": (64, 48, 48), "batch": 2, "filters": 24, "depth": 4, "channels": 1},
+    {"shape": (64, 64, 48), "batch": 1, "filters": 32, "depth": 3, "channels": 1},
+    {"shape": (96, 96, 48), "batch": 1, "filters": 16, "depth": 3, "channels": 4},
+    # Shallow models (fewer convolutions, each with its own kernels) and two larger jobs (2.4-3.7 GiB),
+    # where the activation factor, not the baseline, is most of the peak.
+    {"shape": (48, 32, 32), "batch": 1, "filters": 8, "depth": 2, "channels": 4},
+    {"shape": (64, 64, 32), "batch": 2, "filters": 4, "depth": 2, "channels": 1},
+    {"shape": (160, 160, 96), "batch": 1, "filters": 8, "depth": 4, "channels": 1},
+    {"shape": (128, 128, 64), "batch": 2, "filters": 16, "depth": 4, "channels": 1},
 ]
 
 
@@ -176,24 +187,26 @@ def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
 def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     """Least squares of measured - (weights, gradients, slots, input, oneDNN scratchpad) = baseline +
     activation factor x (tensors alive at the backward peak) + parameter copies x (trainable parameters x
-    4 B) [+ workspace factor x one sample's largest patch matrix, with TensorFlow's own Conv3D kernels only].
+    4 B) + bytes per convolution x convolution layers [+ workspace factor x one sample's largest patch
+    matrix, with TensorFlow's own Conv3D kernels only].
 
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).
     """
-    def features(config: Config, activation: float = 0.0, workspace: float = 0.0, copies: float = 0.0) -> int:
+    def features(config: Config, activation: float = 0.0, workspace: float = 0.0, copies: float = 0.0,
+                 per_convolution: int = 0) -> int:
         calibration = Calibration(runtime_baseline_bytes=0, activation_factor=activation, workspace_factor=workspace,
-                                  parameter_copies=copies)
+                                  parameter_copies=copies, per_convolution_bytes=per_convolution)
         return sum(predicted_for_run(config, calibration).values())
 
     table, targets = [], []
     for config, measured in samples:
         rest = features(config)
         table.append([1.0, features(config, activation=1.0) - rest, features(config, workspace=1.0) - rest,
-                      features(config, copies=1.0) - rest])
+                      features(config, copies=1.0) - rest, (features(config, per_convolution=2**20) - rest)])
         targets.append(measured - rest)
     # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
-    measurable = [i for i in (1, 2, 3) if any(row[i] for row in table)]
+    measurable = [i for i in (1, 2, 3, 4) if any(row[i] for row in table)]
     free = [0] + measurable
     while True:
         solution = _solve([[row[i] for i in free] for row in table], targets)
@@ -206,7 +219,8 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     # patch matrix) for plans of jobs that switch oneDNN off, rather than a 0 that was never measured.
     workspace = round(values.get(2, 0.0), 4) if 2 in measurable else Calibration.workspace_factor
     return Calibration(runtime_baseline_bytes=int(values[0]), activation_factor=round(values.get(1, 0.0), 4),
-                       workspace_factor=workspace, parameter_copies=round(values.get(3, 0.0), 3))
+                       workspace_factor=workspace, parameter_copies=round(values.get(3, 0.0), 3),
+                       per_convolution_bytes=int(values.get(4, 0.0) * 2**20))
 
 
 def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
@@ -229,6 +243,7 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "activation_factor": calibration.activation_factor,
         "workspace_factor": calibration.workspace_factor,
         "parameter_copies": calibration.parameter_copies,
+        "per_convolution_bytes": calibration.per_convolution_bytes,
         "measured": measured,
     }
 

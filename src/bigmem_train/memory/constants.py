@@ -41,6 +41,10 @@ class Calibration:
     # Adam's two slots: the model state serialized by the checkpoint callbacks (last, best, and
     # BackupAndRestore's), oneDNN's reordered weights. Fitted on whole runs (model 4); 0 before.
     parameter_copies: float = 0.0
+    # Resident bytes per convolution layer that do not grow with the batch or the shape: oneDNN's cached
+    # primitives (JIT code, reordered weights, per-primitive buffers for forward, input and filter
+    # gradient) and TensorFlow's graph and kernels for the layer. Fitted on whole runs (model 4); 0 before.
+    per_convolution_bytes: int = 0
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
     # Calibration files passed over on the way to this one: fitted for the model before the activation
@@ -120,6 +124,7 @@ def load_calibration() -> Calibration:
             activation_factor=float(data["activation_factor"]),
             workspace_factor=float(data["workspace_factor"]),
             parameter_copies=float(data.get("parameter_copies", 0.0)),
+            per_convolution_bytes=int(data.get("per_convolution_bytes", 0)),
             source=str(path),
             measured=data.get("measured", {}),
             skipped=skipped,

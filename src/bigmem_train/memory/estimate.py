@@ -26,6 +26,7 @@ BREAKDOWN_KEYS = (
     "gradients",
     "optimizer_slots",
     "parameter_copies",
+    "convolution_kernels",
     "activations",
     "workspace",
     "input_pipeline",
@@ -287,6 +288,11 @@ def backward_concurrency(config: Config) -> int:
     return min(2, config.runtime.inter_op_threads or 1)
 
 
+def convolution_layers(table: list[dict[str, Any]]) -> int:
+    """How many convolutions the (expanded) model runs: each has its own cached kernels."""
+    return sum(1 for row in table if row["kind"] in CONVOLUTION_KINDS)
+
+
 def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Calibration,
                   batch: int, shape: tuple[int, int, int]) -> dict[str, int]:
     """The peak-memory breakdown of ``config``'s model at ``batch`` and ``shape`` (bytes per component)."""
@@ -318,6 +324,7 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
         "gradients": gradients,
         "optimizer_slots": optimizer_slots,
         "parameter_copies": int(calibration.parameter_copies * trainable * 4),
+        "convolution_kernels": calibration.per_convolution_bytes * convolution_layers(table),
         "activations": activations,
         "workspace": workspace,
         "input_pipeline": _input_pipeline_bytes(config, batch, shape),
