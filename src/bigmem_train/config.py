@@ -158,6 +158,12 @@ class FootprintConfig(_Section):
     # natively) before resizing anything. "off": only resize.
     levers: Literal["off", "auto"] = "off"
 
+    @field_validator("levers", mode="before")
+    @classmethod
+    def _levers_off_is_not_a_boolean(cls, value: Any) -> Any:
+        # YAML 1.1 reads a bare `off` as false (and `on` as true): take them as the words they were.
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
     @field_validator("target")
     @classmethod
     def _check_target(cls, value: str | None) -> str | None:

@@ -102,3 +102,11 @@ def test_duplicate_key_exits_2_from_the_cli(tmp_path, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines == [f"bigmem-train: error: config file {path}: key 'base_filters' is given twice in one "
                      "mapping (lines 2 and 3)"]
+
+
+def test_levers_off_written_bare_in_yaml_is_the_word_not_a_boolean(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("footprint:\n  levers: off\n")
+    assert load_config(path).footprint.levers == "off"
+    assert load_config(None, {"footprint.levers": "off"}).footprint.levers == "off"
+    assert load_config(None, {"footprint.levers": "auto"}).footprint.levers == "auto"
