@@ -450,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                events=bool(args.qmp_events_socket))
     if args.qmp_events_socket:
         def on_reset(data):
+            LOG.info("the VM reset (%s)", data.get("reason", "reset"))
             dell.apply(app.systems, system_uuid(args.system_name), f"the VM's reset ({data.get('reason', 'reset')})")
 
         threading.Thread(target=watch_resets, args=(args.qmp_events_socket, on_reset), daemon=True).start()
