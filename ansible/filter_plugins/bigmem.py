@@ -55,6 +55,17 @@ def bigmem_member_uris(collection):
     return [member.get("@odata.id") for member in (collection or {}).get("Members") or [] if member.get("@odata.id")]
 
 
+def bigmem_reduced_memory_modes(current, modes, mirroring="None"):
+    """``Attribute=Value`` for each BIOS attribute in ``current`` set to a mode of ``modes`` (attribute -> the
+    values that leave the OS less than the installed memory), plus the BMC's ``MemorySummary.MemoryMirroring``
+    when it is not None."""
+    found = [f"{key}={current[key]}" for key, values in (modes or {}).items()
+             if key in (current or {}) and any(_same(current[key], value) for value in values or [])]
+    if mirroring not in (None, "", "None"):
+        found.append(f"MemorySummary.MemoryMirroring={mirroring}")
+    return found
+
+
 def _holds(terms, values):
     """Whether a registry dependency's MapFrom terms hold for ``values`` (attribute -> value)."""
     result = None
@@ -175,4 +186,5 @@ class FilterModule:
             "bigmem_registry_errors": bigmem_registry_errors,
             "bigmem_bios_plan": bigmem_bios_plan,
             "bigmem_member_uris": bigmem_member_uris,
+            "bigmem_reduced_memory_modes": bigmem_reduced_memory_modes,
         }

@@ -138,3 +138,23 @@ def test_the_system_is_found_by_bmc_resource_id(bmc_alone, tmp_path):
     assert rc == 0, output[-5000:]
     assert bios(bmc_alone)[1] == _changes()
     assert bios(bmc_alone, OTHER_SYSTEM_NAME) == (_initial(), {})
+
+
+def test_preflight_refuses_mirrored_memory_when_the_job_needs_it(bmc_alone, tmp_path):
+    """The BMC reports MemOpMode=MirrorMode (the OS sees half the installed memory): a job that does not fit
+    what the OS sees is refused with the mode named; one that fits gets a warning. The profile sets
+    OptimizerMode."""
+    assert _profile()["MemOpMode"] == "OptimizerMode"
+    bmc_alone.request("PATCH", bmc_alone.system_path() + "/BIOS/Settings", {"Attributes": {"MemOpMode": "MirrorMode"}})
+    restart(bmc_alone)
+    assert bios(bmc_alone)[0]["MemOpMode"] == "MirrorMode"
+    rc, output, _ = play(bmc_alone, tmp_path, "-e", "bigmem_preflight_check_memory=true",
+                         "-e", "bigmem_train_target_footprint=95%")
+    assert rc != 0
+    assert "reports MemOpMode=MirrorMode" in output and "OptimizerMode" in output, output[-5000:]
+    assert bios(bmc_alone)[1] == {}, "preflight changed the BIOS"
+    rc, output, _ = play(bmc_alone, tmp_path, "-e", "bigmem_preflight_check_memory=true",
+                         "-e", "bigmem_train_target_footprint=10%")
+    assert rc == 0, output[-5000:]
+    assert "WARNING: the BMC of bmc-only reports MemOpMode=MirrorMode" in output, output[-5000:]
+    assert bios(bmc_alone)[1]["MemOpMode"] == "OptimizerMode"  # the bios role stages the full-memory mode

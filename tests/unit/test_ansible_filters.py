@@ -101,3 +101,10 @@ def test_member_uris():
                                          ("0\n", "0"), ("[always] defer defer+madvise madvise never", "always")])
 def test_sysfs_value(text, value):
     assert filters.bigmem_sysfs_value(text) == value
+
+
+def test_reduced_memory_modes():
+    modes = {"MemOpMode": ["MirrorMode", "SpareMode"], "AdvancedMemProtection": ["MirroredAdvancedEcc"]}
+    assert filters.bigmem_reduced_memory_modes({"MemOpMode": "OptimizerMode"}, modes) == []
+    assert filters.bigmem_reduced_memory_modes({"MemOpMode": "MirrorMode"}, modes) == ["MemOpMode=MirrorMode"]
+    assert filters.bigmem_reduced_memory_modes({}, modes, "System") == ["MemorySummary.MemoryMirroring=System"]
