@@ -44,11 +44,12 @@ def _changes() -> dict:
     return {key: value for key, value in _profile().items() if initial[key] != value}
 
 
-def play(bmc: LabBMC, tmp_path: Path, *extra: str, resource_id: bool = True) -> tuple[int, str, dict]:
+def play(bmc: LabBMC, tmp_path: Path, *extra: str, resource_id: bool = True, playbook: str = "site.yml",
+         connection: str = "ansible_connection=local") -> tuple[int, str, dict]:
     inventory = tmp_path / "inventory.ini"
     inventory.write_text(
         "[bigmem]\n"
-        f"{HOST} ansible_connection=local ansible_python_interpreter={sys.executable} ansible_become=false "
+        f"{HOST} {connection} ansible_python_interpreter={sys.executable} ansible_become=false "
         f"bmc_address={bmc.url.removeprefix('https://')} bmc_vendor=dell bigmem_bmc_ca_path={bmc.ca_file} "
         + (f"bmc_resource_id={bmc.system_id}" if resource_id else "") + "\n"
         "[bigmem:vars]\n"
@@ -60,7 +61,8 @@ def play(bmc: LabBMC, tmp_path: Path, *extra: str, resource_id: bool = True) -> 
     env = {**os.environ, "BIGMEM_BMC_USERNAME": bmc.username, "BIGMEM_BMC_PASSWORD": bmc.password,
            "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp")}
     env.pop("ANSIBLE_CONFIG", None)
-    result = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "site.yml", "--tags", "bios",
+    tags = ["--tags", "bios"] if playbook == "site.yml" else []
+    result = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook, *tags,
                              "-e", "bigmem_allow_reboot=false", *extra],
                             cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
@@ -158,3 +160,26 @@ def test_preflight_refuses_mirrored_memory_when_the_job_needs_it(bmc_alone, tmp_
     assert rc == 0, output[-5000:]
     assert "WARNING: the BMC of bmc-only reports MemOpMode=MirrorMode" in output, output[-5000:]
     assert bios(bmc_alone)[1]["MemOpMode"] == "OptimizerMode"  # the bios role stages the full-memory mode
+
+
+def test_a_host_that_does_not_answer_is_reset_through_the_bmc(bmc_alone, tmp_path):
+    """Reboot through the OS when SSH answers; through the BMC only when it does not. This host's SSH port is
+    closed: the play asks the BMC for the restart (PowerGracefulRestart, which this BMC, like many iDRAC 9,
+    does not offer: community.general sends ForceRestart), the pending BIOS values apply at that reset, and
+    the play then fails because the host never answers."""
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    log_start = len(bmc_alone.log.read_text())
+    rc, output, _ = play(bmc_alone, tmp_path, "-e", "bigmem_allow_reboot=true", "-e", "bigmem_reboot_ssh_timeout=5",
+                         "-e", "bigmem_reboot_timeout=20", playbook="tests/lab/bios_reboot.yml",
+                         connection=f"ansible_host=127.0.0.1 ansible_port={port} ansible_user=nobody")
+    log = bmc_alone.log.read_text()[log_start:]
+    assert rc != 0, output[-5000:]
+    assert "Power the host on, or reset it, through the BMC" in output, output[-5000:]
+    assert "Reboot through the OS" not in output, output[-5000:]  # skipped tasks are not shown
+    assert 'power state set to "ForceRestart"' in log and "GracefulRestart" not in log, log[-3000:]
+    current, pending = bios(bmc_alone)
+    assert pending == {} and all(current[key] == value for key, value in _profile().items()), (current, pending)
