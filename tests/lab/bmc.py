@@ -449,8 +449,14 @@ def main(argv: list[str] | None = None) -> int:
     wire_power(dell, Qmp(args.qmp_socket) if args.qmp_socket else None, args.system_name,
                events=bool(args.qmp_events_socket))
     if args.qmp_events_socket:
+        resets = {"last": float("-inf")}
+
         def on_reset(data):
-            LOG.info("the VM reset (%s)", data.get("reason", "reset"))
+            # The firmware resets the machine once more right after a reset: one reboot, one line.
+            now = time.monotonic()
+            if now - resets["last"] > 10:
+                LOG.info("the VM reset (%s)", data.get("reason", "reset"))
+            resets["last"] = now
             dell.apply(app.systems, system_uuid(args.system_name), f"the VM's reset ({data.get('reason', 'reset')})")
 
         threading.Thread(target=watch_resets, args=(args.qmp_events_socket, on_reset), daemon=True).start()
