@@ -248,7 +248,7 @@ def test_check_mode_on_the_fresh_vm_shows_the_bios_diff_and_changes_nothing(site
             assert re.search(rf'^-\s+"{key}": "{initial[key]}"', run.output, re.M), (key, _tail(run))
             assert re.search(rf'^\+\s+"{key}": "{value}"', run.output, re.M), (key, _tail(run))
     assert "would build the image" in run.output and "would run the job" in run.output, _tail(run)
-    assert "would reboot once" in run.output, _tail(run)
+    assert f"REBOOT REQUIRED on {SYSTEM_NAME}" in run.output, _tail(run)  # bigmem_allow_reboot is false
     assert site["boot_ids"]["after_fresh_check"] == site["boot_ids"]["start"]
     current, pending = site["after_fresh_check"]["bios"]
     assert pending == {} and current == initial, (current, pending)
