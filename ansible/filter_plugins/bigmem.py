@@ -58,23 +58,128 @@ def bigmem_changed_items(wanted, current):
     return {key: value for key, value in wanted.items() if key in current and not _same(value, current[key])}
 
 
-def bigmem_registry_errors(wanted, registry):
+def bigmem_member_uris(collection):
+    """The ``@odata.id`` of each member of a Redfish collection (``map(attribute=...)`` reads the dot as a path)."""
+    return [member.get("@odata.id") for member in (collection or {}).get("Members") or [] if member.get("@odata.id")]
+
+
+def bigmem_reduced_memory_modes(current, modes, mirroring="None"):
+    """``Attribute=Value`` for each BIOS attribute in ``current`` set to a mode of ``modes`` (attribute -> the
+    values that leave the OS less than the installed memory), plus the BMC's ``MemorySummary.MemoryMirroring``
+    when it is not None."""
+    found = [f"{key}={current[key]}" for key, values in (modes or {}).items()
+             if key in (current or {}) and any(_same(current[key], value) for value in values or [])]
+    if mirroring not in (None, "", "None"):
+        found.append(f"MemorySummary.MemoryMirroring={mirroring}")
+    return found
+
+
+def _holds(terms, values):
+    """Whether a registry dependency's MapFrom terms hold for ``values`` (attribute -> value)."""
+    result = None
+    for term in terms or []:
+        value, target = values.get(term.get("MapFromAttribute")), term.get("MapFromValue")
+        condition = term.get("MapFromCondition", "EQU")
+        if condition in ("EQU", "NEQ"):
+            holds = _same(value, target) == (condition == "EQU")
+        else:  # GTR, GEQ, LSS, LEQ on numbers
+            try:
+                number, limit = float(value), float(target)
+            except (TypeError, ValueError):
+                holds = False
+            else:
+                holds = {"GTR": number > limit, "GEQ": number >= limit, "LSS": number < limit,
+                         "LEQ": number <= limit}.get(condition, False)
+        if result is None:
+            result = holds
+        elif term.get("MapTerms", "AND") == "OR":
+            result = result or holds
+        else:
+            result = result and holds
+    return bool(result)
+
+
+def _read_only_rules(name, dependencies):
+    return [dependency.get("Dependency", {}) for dependency in dependencies or []
+            if dependency.get("Type", "Map") == "Map"
+            and dependency.get("Dependency", {}).get("MapToAttribute") == name
+            and dependency.get("Dependency", {}).get("MapToProperty") == "ReadOnly"]
+
+
+def _describe(rule):
+    return " and ".join(f"{term.get('MapFromAttribute')} {term.get('MapFromCondition', 'EQU')} {term.get('MapFromValue')}"
+                        for term in rule.get("MapFrom") or [])
+
+
+def bigmem_registry_errors(wanted, registry, dependencies=None, current=None):
     """Problems of ``wanted`` BIOS attributes against a Redfish attribute registry's ``Attributes`` list.
 
-    One line per problem: read-only attributes and enumeration values the registry does not list.
+    One line per problem: an attribute to change that is read-only, and enumeration values the registry
+    does not list. Where the registry's ``Dependencies`` make an attribute read-only (Dell: ProcCStates
+    unless SysProfile is Custom), the rule is evaluated for the values the BIOS will hold once ``wanted``
+    is applied on top of ``current``: a dependency the same profile changes is not a problem (the role
+    stages it first, in the same request). The registry's own ``ReadOnly`` flag, which reflects the
+    current values, counts only for attributes without such a rule.
     """
     entries = {entry.get("AttributeName"): entry for entry in registry or []}
+    current = current or {}
+    after = {**current, **wanted}
     errors = []
     for key, value in wanted.items():
         entry = entries.get(key)
         if entry is None:
             continue
-        if entry.get("ReadOnly"):
-            errors.append(f"{key} is read-only on this BMC")
+        if key not in current or not _same(value, current[key]):
+            rules = _read_only_rules(key, dependencies)
+            if rules:
+                locked = [rule for rule in rules if rule.get("MapToValue") and _holds(rule.get("MapFrom"), after)]
+                if locked:
+                    errors.append(f"{key} is read-only while {_describe(locked[0])}: set that in the profile too")
+            elif entry.get("ReadOnly") or entry.get("Immutable"):
+                errors.append(f"{key} is read-only on this BMC")
         allowed = [choice.get("ValueName") for choice in entry.get("Value") or []]
         if entry.get("Type") == "Enumeration" and allowed and not any(_same(value, name) for name in allowed):
             errors.append(f"{key}={value} is not one of {', '.join(map(str, allowed))}")
     return errors
+
+
+def bigmem_bios_plan(wanted, current, settings=None, dependencies=None, replace_pending=False):
+    """What the bios role does with the BMC's BIOS: a dict of
+
+    pending      values staged on the BMC, not yet applied (BIOS/Settings entries that differ from the
+                 current ones: iDRAC lists only those, iLO lists the whole future state)
+    changes      wanted values that differ from the current ones, attributes that others depend on
+                 (registry Dependencies, e.g. SysProfile) first
+    foreign      pending values the profile does not ask for (other values, or other attributes)
+    outstanding  wanted values that the current and pending values together still lack
+    conflict     values are pending and they are not exactly the wanted changes: iDRAC refuses another
+                 PATCH until they are applied or cleared
+    clear_first  clear the pending values first (conflict and replace_pending)
+    stage        the values to PATCH now ({} when they are already pending, or on an unresolved conflict)
+    before/after the attributes concerned as the BMC will apply them at the next reboot, before and after
+                 this run (for the per-attribute diff)
+    """
+    current = current or {}
+    pending = bigmem_changed_items(settings or {}, current)
+    changes = bigmem_changed_items(wanted, current)
+    first = {term.get("MapFromAttribute") for dependency in dependencies or []
+             for term in dependency.get("Dependency", {}).get("MapFrom") or []}
+    changes = dict(sorted(changes.items(), key=lambda item: item[0] not in first))
+    effective = {**current, **pending}
+    outstanding = bigmem_changed_items(wanted, effective)
+    foreign = {key: value for key, value in pending.items() if key not in wanted or not _same(value, wanted[key])}
+    conflict = bool(pending) and bool(foreign or outstanding)
+    clear = conflict and bool(replace_pending)
+    stage = changes if (not pending or clear) else {}
+    keys = [key for key in current if key in wanted or key in pending]
+    after_run = {**current, **pending} if (pending and not clear) else {**current, **stage}
+    return {
+        "pending": pending, "changes": changes, "foreign": foreign, "outstanding": outstanding,
+        "conflict": conflict, "clear_first": clear, "stage": stage,
+        "already_pending": bool(pending) and not conflict,
+        "before": {key: effective[key] for key in keys},
+        "after": {key: after_run[key] for key in keys} if not (conflict and not clear) else {key: effective[key] for key in keys},
+    }
 
 
 class FilterModule:
@@ -88,4 +193,7 @@ class FilterModule:
             "bigmem_sysfs_value": bigmem_sysfs_value,
             "bigmem_changed_items": bigmem_changed_items,
             "bigmem_registry_errors": bigmem_registry_errors,
+            "bigmem_bios_plan": bigmem_bios_plan,
+            "bigmem_member_uris": bigmem_member_uris,
+            "bigmem_reduced_memory_modes": bigmem_reduced_memory_modes,
         }

@@ -7,7 +7,7 @@ import urllib.request
 
 import pytest
 
-from tests.fixtures.lab import TIMEOUT_SCALE
+from tests.fixtures.lab import OTHER_SYSTEM_NAME, TIMEOUT_SCALE
 
 pytestmark = [pytest.mark.lab, pytest.mark.slow]
 
@@ -28,12 +28,15 @@ def test_vm_boots_with_ssh_and_two_numa_nodes(lab_vm):
 
 def test_bmc_serves_redfish_over_tls_with_basic_auth(lab_bmc):
     systems = lab_bmc.get("/redfish/v1/Systems")
-    assert systems["Members@odata.count"] == 1
-    system = lab_bmc.get(systems["Members"][0]["@odata.id"])
-    assert system["Name"] == lab_bmc.system_name
+    assert systems["Members@odata.count"] == 2  # the lab system and another one: bmc_resource_id is needed
+    names = {lab_bmc.get(member["@odata.id"])["Name"] for member in systems["Members"]}
+    assert names == {lab_bmc.system_name, OTHER_SYSTEM_NAME}
+    system = lab_bmc.get(lab_bmc.system_path())
+    assert system["Name"] == lab_bmc.system_name and system["Id"] == lab_bmc.system_id
     assert system["PowerState"] == "On"
     bios = lab_bmc.get(system["Bios"]["@odata.id"])
     assert bios["Attributes"], "the BMC must expose BIOS attributes"
+    assert lab_bmc.get("/redfish/v1/")["Vendor"] == "Dell"
 
 
 def test_bmc_rejects_bad_credentials_and_unverified_tls(lab_bmc):
@@ -47,11 +50,22 @@ def test_bmc_rejects_bad_credentials_and_unverified_tls(lab_bmc):
         urllib.request.urlopen(lab_bmc.url + "/redfish/v1/", context=ssl.create_default_context(), timeout=30)
 
 
-def test_redfish_restart_reboots_the_vm(lab_vm, lab_bmc):
-    """The BMC is wired to the VM: a Redfish GracefulRestart really reboots it (new boot id)."""
+def test_redfish_restart_reboots_the_vm_and_applies_pending_bios_values(lab_vm, lab_bmc):
+    """The BMC is wired to the VM: a Redfish ForceRestart really reboots it (new boot id), and the BIOS
+    values pending until then apply at that reset. Like many iDRAC 9 firmwares, the BMC does not offer
+    GracefulRestart and refuses it."""
     before = lab_vm.boot_id()
     system = lab_bmc.system_path()
-    lab_bmc.request("POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "GracefulRestart"})
+    offered = lab_bmc.get(system)["Actions"]["#ComputerSystem.Reset"]["ResetType@Redfish.AllowableValues"]
+    assert "GracefulRestart" not in offered and "ForceRestart" in offered, offered
+    status, message = lab_bmc.error_of("POST", f"{system}/Actions/ComputerSystem.Reset",
+                                       {"ResetType": "GracefulRestart"})
+    assert status == 400 and "GracefulRestart" in message, (status, message)
+    assert lab_bmc.get(system + "/BIOS")["Attributes"]["BootMode"] == "Bios"
+    lab_bmc.request("PATCH", f"{system}/BIOS/Settings", {"Attributes": {"BootMode": "Uefi"}})
+    assert lab_bmc.get(system + "/BIOS/Settings")["Attributes"] == {"BootMode": "Uefi"}
+    assert lab_bmc.get(system + "/BIOS")["Attributes"]["BootMode"] == "Bios"  # pending until the reset
+    lab_bmc.request("POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "ForceRestart"})
     deadline = time.monotonic() + 400 * TIMEOUT_SCALE
     after = before
     while time.monotonic() < deadline and after == before:
@@ -59,5 +73,7 @@ def test_redfish_restart_reboots_the_vm(lab_vm, lab_bmc):
         result = lab_vm.run("cat /proc/sys/kernel/random/boot_id", timeout=30, check=False)
         if result.returncode == 0:
             after = result.stdout.strip()
-    assert after != before, "the VM did not reboot after a Redfish GracefulRestart"
+    assert after != before, "the VM did not reboot after a Redfish ForceRestart"
     assert lab_bmc.get(system)["PowerState"] == "On"
+    assert lab_bmc.get(system + "/BIOS/Settings")["Attributes"] == {}
+    assert lab_bmc.get(system + "/BIOS")["Attributes"]["BootMode"] == "Uefi"

@@ -37,9 +37,74 @@ def test_registry_errors_name_read_only_and_unknown_values():
     assert filters.bigmem_registry_errors({"SysProfile": "Custom"}, registry) == []
     errors = filters.bigmem_registry_errors({"SysProfile": "Fast", "SerialNumber": "x", "Other": 1}, registry)
     assert errors == ["SysProfile=Fast is not one of PerfOptimized, Custom", "SerialNumber is read-only on this BMC"]
+    # An unchanged read-only value is not written, so not a problem.
+    assert filters.bigmem_registry_errors({"SerialNumber": "x"}, registry, [], {"SerialNumber": "x"}) == []
+
+
+# Dell's rule, as iDRAC's registry states it: ProcCStates is read-only while SysProfile is not Custom.
+DEPENDENCIES = [{"DependencyFor": "ProcCStates", "Type": "Map", "Dependency": {
+    "MapFrom": [{"MapFromAttribute": "SysProfile", "MapFromProperty": "CurrentValue", "MapFromCondition": "NEQ",
+                 "MapFromValue": "Custom"}],
+    "MapToAttribute": "ProcCStates", "MapToProperty": "ReadOnly", "MapToValue": True}}]
+REGISTRY = [{"AttributeName": "ProcCStates", "Type": "Enumeration", "ReadOnly": True,  # follows the current values
+             "Value": [{"ValueName": "Enabled"}, {"ValueName": "Disabled"}]},
+            {"AttributeName": "SysProfile", "Type": "Enumeration", "ReadOnly": False,
+             "Value": [{"ValueName": "PerfPerWattOptimizedDapc"}, {"ValueName": "Custom"}]}]
+CURRENT = {"SysProfile": "PerfPerWattOptimizedDapc", "ProcCStates": "Enabled", "BootMode": "Bios"}
+
+
+def test_a_dependency_the_profile_changes_too_is_not_a_problem():
+    wanted = {"ProcCStates": "Disabled", "SysProfile": "Custom"}
+    assert filters.bigmem_registry_errors(wanted, REGISTRY, DEPENDENCIES, CURRENT) == []
+    errors = filters.bigmem_registry_errors({"ProcCStates": "Disabled"}, REGISTRY, DEPENDENCIES, CURRENT)
+    assert errors == ["ProcCStates is read-only while SysProfile NEQ Custom: set that in the profile too"]
+    # Without dependencies in the registry its ReadOnly flag counts (the old behaviour).
+    assert filters.bigmem_registry_errors(wanted, REGISTRY, [], CURRENT) == ["ProcCStates is read-only on this BMC"]
+
+
+def test_plan_stages_the_dependency_first():
+    plan = filters.bigmem_bios_plan({"ProcCStates": "Disabled", "SysProfile": "Custom"}, CURRENT, {}, DEPENDENCIES)
+    assert list(plan["stage"]) == ["SysProfile", "ProcCStates"]
+    assert not plan["conflict"] and not plan["already_pending"]
+    assert plan["before"] == {"SysProfile": "PerfPerWattOptimizedDapc", "ProcCStates": "Enabled"}
+    assert plan["after"] == {"SysProfile": "Custom", "ProcCStates": "Disabled"}
+
+
+def test_plan_with_the_profile_already_pending_stages_nothing():
+    wanted = {"ProcCStates": "Disabled", "SysProfile": "Custom"}
+    # iDRAC lists only the pending values at BIOS/Settings; iLO lists the whole future state.
+    for settings in (wanted, {**CURRENT, **wanted}):
+        plan = filters.bigmem_bios_plan(wanted, CURRENT, settings, DEPENDENCIES)
+        assert plan["pending"] == wanted and plan["already_pending"] and plan["stage"] == {}
+        assert plan["before"] == plan["after"]  # nothing left to change: no diff, no change counted
+    # The settings object of a BMC that applies at once mirrors the current values: nothing pending.
+    plan = filters.bigmem_bios_plan(wanted, CURRENT, CURRENT, DEPENDENCIES)
+    assert plan["pending"] == {} and list(plan["stage"]) == ["SysProfile", "ProcCStates"]
+
+
+def test_plan_with_other_values_pending_stops_unless_replacing():
+    wanted = {"ProcCStates": "Disabled", "SysProfile": "Custom"}
+    for pending in ({"BootMode": "Uefi"}, {"SysProfile": "Custom"}):  # someone else's; or only part of ours
+        plan = filters.bigmem_bios_plan(wanted, CURRENT, pending, DEPENDENCIES)
+        assert plan["conflict"] and not plan["clear_first"] and plan["stage"] == {}
+    plan = filters.bigmem_bios_plan(wanted, CURRENT, {"BootMode": "Uefi"}, DEPENDENCIES, True)
+    assert plan["foreign"] == {"BootMode": "Uefi"} and plan["clear_first"]
+    assert list(plan["stage"]) == ["SysProfile", "ProcCStates"]
+    assert plan["before"]["BootMode"] == "Uefi" and plan["after"]["BootMode"] == "Bios"  # cleared
+
+
+def test_member_uris():
+    assert filters.bigmem_member_uris({"Members": [{"@odata.id": "/redfish/v1/Systems/1"}, {}]}) == ["/redfish/v1/Systems/1"]
 
 
 @pytest.mark.parametrize("text, value", [("always [madvise] never\n", "madvise"), ("performance\n", "performance"),
                                          ("0\n", "0"), ("[always] defer defer+madvise madvise never", "always")])
 def test_sysfs_value(text, value):
     assert filters.bigmem_sysfs_value(text) == value
+
+
+def test_reduced_memory_modes():
+    modes = {"MemOpMode": ["MirrorMode", "SpareMode"], "AdvancedMemProtection": ["MirroredAdvancedEcc"]}
+    assert filters.bigmem_reduced_memory_modes({"MemOpMode": "OptimizerMode"}, modes) == []
+    assert filters.bigmem_reduced_memory_modes({"MemOpMode": "MirrorMode"}, modes) == ["MemOpMode=MirrorMode"]
+    assert filters.bigmem_reduced_memory_modes({}, modes, "System") == ["MemorySummary.MemoryMirroring=System"]

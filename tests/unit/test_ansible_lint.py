@@ -99,9 +99,68 @@ def test_every_role_default_is_prefixed_and_documented_in_group_vars():
 def test_site_reads_like_a_table_of_contents():
     plays = yaml.safe_load((ANSIBLE_DIR / "site.yml").read_text())
     roles = [play["roles"][0] for play in plays]
-    assert [role["role"] for role in roles] == ["bigmem_preflight", "bigmem_bios", "bigmem_os_tuning",
+    assert [role["role"] for role in roles] == ["bigmem_preflight", "bigmem_bios", "bigmem_os_tuning", "bigmem_reboot",
                                                 "bigmem_docker_engine", "bigmem_image", "bigmem_train"]
     assert all(role.get("tags") for role in roles)
-    assert all(role["when"].startswith("bigmem_") for role in roles[1:])
+    # Every stage has its feature flag; the reboot stage decides for itself (it has nothing to do unless
+    # bios or os_tuning left something for the next boot), and runs with their tags.
+    assert all(role["when"].startswith("bigmem_") for role in roles[1:] if role["role"] != "bigmem_reboot")
+    reboot = roles[3]
+    assert "when" not in reboot and {"bios", "os_tuning"} <= set(reboot["tags"])
     for role in roles:
         assert (ANSIBLE_DIR / "roles" / role["role"] / "README.md").is_file()
+
+
+def _cfg(path: Path) -> dict[tuple[str, str], str]:
+    import configparser
+
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(path)
+    return {(section, key): value for section in parser.sections() for key, value in parser[section].items()}
+
+
+def test_root_ansible_cfg_has_the_settings_of_the_ansible_folder():
+    # Ansible reads only the ansible.cfg of the current folder: the root one must not drift from ansible/'s.
+    root, inner = _cfg(REPO / "ansible.cfg"), _cfg(ANSIBLE_DIR / "ansible.cfg")
+    assert root.keys() == inner.keys()
+    paths = {("defaults", "inventory"), ("defaults", "roles_path"), ("defaults", "filter_plugins"),
+             ("defaults", "collections_path")}
+    for key in root.keys() - paths:
+        assert root[key] == inner[key], key
+    for key in paths:  # the same folders, each named from its own file's folder
+        resolve = [[os.path.normpath(base / part) if not part.startswith(("~", "/")) else part
+                    for part in cfg[key].split(":")] for base, cfg in ((REPO, root), (ANSIBLE_DIR, inner))]
+        assert resolve[0] == resolve[1], key
+
+
+def _config_dump(cwd: Path) -> dict[str, str]:
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.pop("ANSIBLE_CONFIG", None)
+    result = subprocess.run([tool("ansible-config"), "dump", "--only-changed", "--format", "json"], cwd=cwd,
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    return {entry["name"]: entry["value"] for entry in json.loads(result.stdout) if "name" in entry}
+
+
+def test_the_readme_command_works_from_the_repository_root():
+    """`ansible-playbook site.yml` from the root: the playbook is found, ansible.cfg's settings apply."""
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env.pop("ANSIBLE_CONFIG", None)
+    result = subprocess.run([tool("ansible-playbook"), "site.yml", "--syntax-check"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "WARNING" not in result.stderr, result.stderr
+    listed = subprocess.run([tool("ansible-playbook"), "site.yml", "--list-tasks", "--limit", "demo"], cwd=REPO,
+                            capture_output=True, text=True, timeout=300, env=env)
+    assert listed.returncode == 0, listed.stdout + listed.stderr
+    assert "bigmem_train : Run the job" in listed.stdout, listed.stdout
+    root, inner = _config_dump(REPO), _config_dump(ANSIBLE_DIR)
+    assert root["DEFAULT_BECOME"] is True and root["DEFAULT_HOST_LIST"] == [str(REPO / "inventory.ini")], root
+    for name in ("DEFAULT_BECOME", "DEFAULT_HOST_LIST", "DEFAULT_ROLES_PATH", "DEFAULT_FILTER_PLUGIN_PATH"):
+        assert root[name] == inner[name], name
+
+
+def test_root_site_yml_passes_yamllint():
+    result = subprocess.run([tool("yamllint"), "--strict", "-c", str(ANSIBLE_DIR / ".yamllint"), "site.yml"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
