@@ -22,7 +22,8 @@ import pytest
 
 from tests.container.test_image import HARDENED, chown_tree, results_folder
 from tests.fixtures.cgroups import TENANT
-from tests.integration.conftest import TINY_JOB, bigmem
+from tests.fixtures.common import write_tiny_job
+from tests.integration.conftest import bigmem
 from tests.integration.test_memory_guard import lying_calibration
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -35,8 +36,8 @@ def _docker(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 
 def _job(results: Path, epochs: int) -> None:
-    job = TINY_JOB.format(epochs=epochs, results="/results") + "guard:\n  threshold: 0.9\n"
-    (results / "tiny.yaml").write_text(job)
+    path = write_tiny_job(results / "tiny.yaml", epochs=epochs, learns=True, results=Path("/results"))
+    path.write_text(path.read_text() + "guard:\n  threshold: 0.9\n")
     chown_tree(results)
 
 

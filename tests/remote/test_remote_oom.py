@@ -18,7 +18,8 @@ import pytest
 import bigmem_train
 
 from ..fixtures.cgroups import MemoryCgroup, why_not
-from ..integration.conftest import TINY_JOB, bigmem
+from ..fixtures.common import write_tiny_job
+from ..integration.conftest import bigmem
 from ..integration.test_memory_guard import lying_calibration
 from .test_remote import remote
 
@@ -30,8 +31,7 @@ def test_status_names_an_oom_kill(sshd, tmp_path):
     reason = why_not(1)
     if reason:
         pytest.skip(f"cgroup v1: {reason}")
-    config = tmp_path / "tiny.yaml"
-    config.write_text(TINY_JOB.format(epochs=3, results="results"))
+    config = write_tiny_job(tmp_path / "tiny.yaml", epochs=3, learns=True, results=Path("results"))
     cache = tmp_path / "cache"
     assert bigmem("plan", "-c", config, env={"BIGMEM_CACHE_DIR": str(cache)}).returncode == 0
     calibration = lying_calibration(tmp_path)
