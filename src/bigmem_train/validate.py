@@ -42,6 +42,11 @@ class Verdict:
 
 MEASURE_NAMES = {"rss": "resident memory, RSS"}
 
+# The plan check passes a job within this many bytes of its plan whatever the share: the same small job
+# peaked at 0.95 GiB (host venv, full tensorflow), 0.91 GiB (host venv, tensorflow-cpu) and 0.80 GiB (the
+# image) for one plan; that spread is the runtime's own memory, not the planner's model of the job.
+PLAN_CHECK_FLOOR_BYTES = 256 * 2**20
+
 
 def judged_peak(run_dir: Path, metrics: dict[str, Any]) -> tuple[str, int]:
     """(measure, peak) the footprint check judges: the run's cgroup working set when its cgroup had a limit
@@ -120,9 +125,10 @@ def evaluate(run_dir: Path) -> Verdict:
         # refuse one it can (over).
         error = (planned - peak) / peak
         criteria.append(Criterion(
-            "plan", abs(error) <= tolerance,
+            "plan", abs(error) <= tolerance or abs(planned - peak) <= PLAN_CHECK_FLOOR_BYTES,
             f"planned {format_bytes(planned)} vs measured peak {format_bytes(peak)} (RSS): {error:+.1%} "
-            f"({'under' if error < 0 else 'over'}-predicted), tolerance {tolerance:.0%}"))
+            f"({'under' if error < 0 else 'over'}-predicted), tolerance {tolerance:.0%} or "
+            f"{PLAN_CHECK_FLOOR_BYTES / 2**30:.2f} GiB"))
 
     verdict = "PASS" if all(criterion.passed for criterion in criteria) else "FAIL"
     return Verdict(verdict, criteria, str(run_dir))

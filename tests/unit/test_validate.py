@@ -70,13 +70,16 @@ def test_footprint_within_tolerance_of_target(tmp_path, peak, passes):
     assert ("footprint" not in failed_names(run_dir)) is passes
 
 
-@pytest.mark.parametrize("planned, passes", [(10 * 2**30, True), (int(9.2 * 2**30), True),
-                                             (int(8.9 * 2**30), False), (int(11.5 * 2**30), False)])
-def test_every_run_checks_the_plan_against_its_measured_peak(tmp_path, planned, passes):
-    run_dir = make_run(tmp_path, GOOD, peak=10 * 2**30, planned=planned)  # no target set
+@pytest.mark.parametrize("peak, planned, passes", [
+    (10 * 2**30, 10 * 2**30, True), (10 * 2**30, int(9.2 * 2**30), True),
+    (10 * 2**30, int(8.9 * 2**30), False), (10 * 2**30, int(11.5 * 2**30), False),
+    # A small job: within 0.25 GiB of its plan passes whatever the share (the runtime's own spread).
+    (int(0.80 * 2**30), int(0.89 * 2**30), True), (int(0.80 * 2**30), int(1.10 * 2**30), False)])
+def test_every_run_checks_the_plan_against_its_measured_peak(tmp_path, peak, planned, passes):
+    run_dir = make_run(tmp_path, GOOD, peak=peak, planned=planned)  # no target set
     criterion = next(c for c in evaluate(run_dir).criteria if c.name == "plan")
     assert criterion.passed is passes
-    assert "planned " in criterion.detail and "measured peak 10737418240 B (10.00 GiB)" in criterion.detail
+    assert "planned " in criterion.detail and f"measured peak {peak} B" in criterion.detail
     if not passes:
         assert failed_names(run_dir) == {"plan"}
 
