@@ -74,6 +74,10 @@ LEVERS = {
     "mixed_bfloat16": {"precision": "mixed_bfloat16"},
     "recompute": {"recompute": True},
     "XLA jit_compile": {"xla": True},
+    # oneDNN lets float32 convolutions compute in bfloat16 (AMX / AVX512_BF16) when this is set; on CPUs
+    # without them it changes nothing. Numerics change (like TF32 on GPUs): opt-in, measured on its own.
+    "oneDNN fpmath bf16 (ONEDNN_DEFAULT_FPMATH_MODE=BF16)": {"env": {"ONEDNN_DEFAULT_FPMATH_MODE": "BF16"}},
+    "TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1": {"env": {"TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"}},
 }
 
 
@@ -319,6 +323,7 @@ def environment_for(kind: str, settings: dict | None, extra: dict | None = None)
     (``extra``: the peer's TF_ENABLE_ONEDNN_OPTS=1; ONEDNN_MAX_CPU_ISA for every row under --isa)."""
     env, prefix = _environment(kind, settings)
     env.update(extra or {})
+    env.update((settings or {}).get("env", {}))
     return env, prefix
 
 
