@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from .conv import ConvGeometry, gemm_backward_weights_fits, gemm_backward_weights_scratchpad_bytes, slab_geometry
 
@@ -55,6 +56,9 @@ class ConvCheck:
 def _probe_env(overrides: dict[str, str] | None) -> dict[str, str]:
     env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", ONEDNN_VERBOSE="profile_create", TF_CPP_MIN_LOG_LEVEL="3")
     env.pop("DNNL_VERBOSE", None)
+    # The child imports this package from where this process has it (a source tree need not be installed).
+    package_root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.update(overrides or {})
     return env
 
