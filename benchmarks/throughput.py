@@ -364,6 +364,7 @@ def run_child(spec: dict, settings: dict | None, timeout: float, extra_env: dict
             ended = time.time()
             failed = {"error": f"timed out after {timeout:.0f} s", "process_seconds": ended - started,
                       "load_before": load_before, "load_average": os.getloadavg()[0]}
+            failed["loaded"] = max(load_before, failed["load_average"]) > LOADED
             try:  # the steps had run this long without finishing: a lower bound on the first one
                 failed["first_step_over_seconds"] = round(ended - json.loads(progress.read())["fit_started"], 1)
             except ValueError:
@@ -414,6 +415,8 @@ def ratios(b_runs: list[dict], a_runs: list[dict]) -> dict:
         "loaded_pairs": sum(1 for b, a in pairs if b.get("loaded") or a.get("loaded")),
         # a's run did not finish its first step: b's voxels/s over a's is at least this
         "voxels_per_second_at_least": spread(bounds),
+        "bound_loaded": any(b.get("loaded") or a.get("loaded") for b, a in zip(b_runs, a_runs)
+                            if a.get("first_step_over_seconds")),
         "voxels_per_second": spread([b["voxels_per_second"] / a["voxels_per_second"] for b, a in pairs]),
         "median_step_seconds": spread([b["median_step_seconds"] / a["median_step_seconds"] for b, a in pairs]),
         "cpu_seconds_per_step": spread([b["cpu_seconds_per_step"] / a["cpu_seconds_per_step"] for b, a in pairs]),
