@@ -236,9 +236,30 @@ def section_layers(args) -> dict:
             **run}
 
 
+def plot_layers(report: dict, path: Path) -> None:
+    """Per-layer single-op CPU seconds (forward + both gradients) for each measured shape."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = [(key, value) for key, value in report.items() if key.startswith("layers-") and "rows" in value]
+    fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 6), squeeze=False)
+    for axis, (key, section) in zip(axes[0], sections):
+        names = [row["name"] for row in section["rows"]]
+        seconds = [sum(row[op]["cpu_best"] for op in row["which"]) for row in section["rows"]]
+        axis.barh(range(len(names)), seconds, color=["#c63" if row.get("chunk") else "#3a7" for row in section["rows"]])
+        axis.set_yticks(range(len(names)), names)
+        axis.invert_yaxis()
+        axis.set_xlabel("CPU s: forward + input + filter gradient, best single op\n(orange: chunked filter gradient)")
+        axis.set_title(f"{key} (sum {sum(seconds):.1f} CPU-s)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["create", "time"], choices=["create", "time", "layers"])
+    parser.add_argument("--sections", nargs="+", default=["create", "time"], choices=["create", "time", "layers", "plot"])
     parser.add_argument("--isa", default="AVX2")
     parser.add_argument("--layer-isa", help="ONEDNN_MAX_CPU_ISA for the layers section (default: native)")
     parser.add_argument("--ref-timeout", type=float, default=300)
@@ -256,7 +277,7 @@ def main(argv=None) -> int:
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
     report["host"] = {"cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                                    if line.startswith("model name")), "?"), "cores": os.cpu_count()}
-    for section in args.sections:
+    for section in [s for s in args.sections if s != "plot"]:
         log(f"section {section}")
         result = {"create": section_create, "time": section_time, "layers": section_layers}[section](args)
         result["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -266,6 +287,8 @@ def main(argv=None) -> int:
         report[key] = result
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
+    if any(key.startswith("layers-") for key in report):
+        plot_layers(report, args.out.with_name("onednn_layers.png"))
     return 0
 
 
