@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from bigmem_train.conv import (  # noqa: E402
+from bigmem_train.conv import (
     ConvGeometry,
     gemm_backward_weights_fits,
     gemm_backward_weights_scratchpad_bytes,
@@ -76,13 +76,15 @@ def worker(spec: dict) -> dict:
         def forward(x, w):
             return tf.nn.conv3d(x, w, [1] * 5, "SAME")
 
+        input_sizes = [batch, *spatial, cin]
+
         @tf.function
-        def input_gradient(w, dy):
-            return tf.raw_ops.Conv3DBackpropInputV2(input_sizes=tf.shape(x), filter=w, out_backprop=dy,
+        def input_gradient(w, dy, input_sizes=input_sizes):
+            return tf.raw_ops.Conv3DBackpropInputV2(input_sizes=input_sizes, filter=w, out_backprop=dy,
                                                     strides=[1] * 5, padding="SAME")
 
         @tf.function
-        def filter_gradient(x, dy):
+        def filter_gradient(x, dy, chunk=chunk, sizes=sizes):
             if chunk:
                 return chunked_filter_gradient(x, dy, sizes, "same", chunk)
             return tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=sizes, out_backprop=dy,
@@ -116,7 +118,7 @@ def run_worker(spec: dict, env: dict, timeout: float) -> dict:
         started = time.time()
         try:
             proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec), out.name],
-                                  env=env, capture_output=True, text=True, timeout=timeout)
+                                  env=env, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             ended = time.time()
             state = json.loads(progress.read() or "{}")

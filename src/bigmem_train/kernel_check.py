@@ -190,10 +190,12 @@ def _child(spec_json: str) -> None:
         x = tf.zeros([batch, *spatial, cin], dtype)
         dy = tf.zeros([batch, *geometry.output_spatial, cout], dtype)
 
+        tf_padding = padding.upper()
+
         @tf.function
-        def filter_gradient(x, dy):
-            return tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=[*kernel, cin, cout], out_backprop=dy,
-                                                     strides=[1] * 5, padding=padding.upper())
+        def filter_gradient(x, dy, sizes=(*kernel, cin, cout), padding=tf_padding):
+            return tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=list(sizes), out_backprop=dy,
+                                                     strides=[1] * 5, padding=padding)
 
         print(f"{MARKER},{index},{math.prod(spatial) * cin}", flush=True)
         filter_gradient(x, dy).numpy()
