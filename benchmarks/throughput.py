@@ -74,6 +74,10 @@ LEVERS = {
     "mixed_bfloat16": {"precision": "mixed_bfloat16"},
     "recompute": {"recompute": True},
     "XLA jit_compile": {"xla": True},
+    # oneDNN lets float32 convolutions compute in bfloat16 (AMX / AVX512_BF16) when this is set; on CPUs
+    # without them it changes nothing. Numerics change (like TF32 on GPUs): opt-in, measured on its own.
+    "oneDNN fpmath bf16 (ONEDNN_DEFAULT_FPMATH_MODE=BF16)": {"env": {"ONEDNN_DEFAULT_FPMATH_MODE": "BF16"}},
+    "TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1": {"env": {"TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"}},
 }
 
 
@@ -84,7 +88,7 @@ LEVERS = {
 class PeakSampler:
     """RSS and AnonHugePages of this process every ``interval`` s; keeps the sample with the largest RSS."""
 
-    def __init__(self, interval: float = 0.5):
+    def __init__(self, interval: float = 0.5):  # reads smaps_rollup (a page-table walk): not too often
         self.interval = interval
         self.peak_rss = 0
         self.huge_at_peak = 0
@@ -179,6 +183,12 @@ def worker_model(spec: dict) -> dict:
 
     record: list = []
     result: dict = {}
+    interval = spec.get("sample_interval", 0.5)
+
+    def fit_starts():  # for a bound on the first step when the parent has to stop a run past a cliff
+        if spec.get("progress"):
+            Path(spec["progress"]).write_text(json.dumps({"fit_started": time.time()}))
+
     if spec["kind"] == "reference":
         import reference_unet
 
@@ -188,7 +198,8 @@ def worker_model(spec: dict) -> dict:
                                           [Path(spec["dataset"]) / c["label"] for c in cases], shape)
         model = reference_unet.unet3d(shape, 1, spec["base_filters"], spec["depth"])
         model.compile(optimizer="adam", loss=reference_unet.dice_bce_loss, metrics=[reference_unet.dice_coef])
-        with PeakSampler() as sampler:
+        fit_starts()
+        with PeakSampler(interval) as sampler:
             model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[_step_callback(keras, record)])
         result["threads"] = [tf.config.threading.get_intra_op_parallelism_threads(),
                              tf.config.threading.get_inter_op_parallelism_threads()]
@@ -230,7 +241,8 @@ def worker_model(spec: dict) -> dict:
             next(iterator)
         result["pipeline_seconds_per_batch"] = (time.perf_counter() - started) / 3
         model = compile_model(config)
-        with PeakSampler() as sampler:
+        fit_starts()
+        with PeakSampler(interval) as sampler:
             model.fit(datasets.train, steps_per_epoch=warmup + steps, epochs=1, verbose=0,
                       callbacks=[_step_callback(keras, record)])
         result["threads"] = list(threads) if threads else [0, 0]
@@ -249,6 +261,7 @@ def worker_model(spec: dict) -> dict:
         "anon_hugepages_at_peak_bytes": sampler.huge_at_peak,
         "thp_share_at_peak": sampler.huge_at_peak / sampler.peak_rss if sampler.peak_rss else 0.0,
         "onednn_env": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "tensorflow": tf.__version__,
     })
@@ -297,8 +310,24 @@ def worker_conv(spec: dict) -> dict:
 # Orchestrator.
 
 
-def environment_for(kind: str, settings: dict | None) -> tuple[dict, list[str]]:
-    """The child's environment and command prefix: the reference gets the inherited one untouched."""
+# Reference rows: the same plain Keras script, as a user runs it on stock TensorFlow, and with oneDNN
+# switched on the way a user who read the study would (the informed peer).
+REFERENCE_ROWS = {"stock": {}, "peer": {"TF_ENABLE_ONEDNN_OPTS": "1"}}
+ROW_LABELS = {"stock": "plain Keras, stock TF", "peer": "plain Keras + TF_ENABLE_ONEDNN_OPTS=1 (the peer)",
+              "bigmem": "bigmem-train, chosen settings"}
+LOADED = 1.5  # a ratio taken above this 1-min load average (2 cores) is flagged
+
+
+def environment_for(kind: str, settings: dict | None, extra: dict | None = None) -> tuple[dict, list[str]]:
+    """The child's environment and command prefix: the reference gets the inherited one untouched
+    (``extra``: the peer's TF_ENABLE_ONEDNN_OPTS=1; ONEDNN_MAX_CPU_ISA for every row under --isa)."""
+    env, prefix = _environment(kind, settings)
+    env.update(extra or {})
+    env.update((settings or {}).get("env", {}))
+    return env, prefix
+
+
+def _environment(kind: str, settings: dict | None) -> tuple[dict, list[str]]:
     env = dict(os.environ)
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
@@ -321,23 +350,35 @@ def environment_for(kind: str, settings: dict | None) -> tuple[dict, list[str]]:
     return env, prefix
 
 
-def run_child(spec: dict, settings: dict | None, timeout: float) -> dict:
-    env, prefix = environment_for(spec.get("kind", "conv"), settings)
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out:
+def run_child(spec: dict, settings: dict | None, timeout: float, extra_env: dict | None = None) -> dict:
+    env, prefix = environment_for(spec.get("kind", "conv"), settings, extra_env)
+    load_before = os.getloadavg()[0]
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as out, \
+            tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
+        spec = {**spec, "progress": progress.name}
         command = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), out.name]
         started = time.time()
         try:
             proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout:.0f} s", "process_seconds": time.time() - started,
-                    "load_average": os.getloadavg()[0]}
+            ended = time.time()
+            failed = {"error": f"timed out after {timeout:.0f} s", "process_seconds": ended - started,
+                      "load_before": load_before, "load_average": os.getloadavg()[0]}
+            failed["loaded"] = max(load_before, failed["load_average"]) > LOADED
+            try:  # the steps had run this long without finishing: a lower bound on the first one
+                failed["first_step_over_seconds"] = round(ended - json.loads(progress.read())["fit_started"], 1)
+            except ValueError:
+                pass
+            return failed
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout)[-2000:]
             return {"error": f"exit {proc.returncode}: {tail}", "process_seconds": time.time() - started,
-                    "load_average": os.getloadavg()[0]}
+                    "load_before": load_before, "load_average": os.getloadavg()[0]}
         result = json.loads(Path(out.name).read_text())
     result["process_seconds"] = round(time.time() - started, 1)
+    result["load_before"] = load_before
     result["load_average"] = os.getloadavg()[0]
+    result["loaded"] = max(load_before, result["load_average"]) > LOADED
     return result
 
 
@@ -358,6 +399,8 @@ def summarize(runs: list[dict]) -> dict:
         "activation_peak_bytes": spread([run["peak_rss_bytes"] - run["rss_after_import_bytes"] for run in ok]),
         "thp_share_at_peak": spread([run["thp_share_at_peak"] for run in ok]),
         "pipeline_seconds_per_batch": spread([run.get("pipeline_seconds_per_batch") for run in ok]),
+        "load_average": spread([max(run.get("load_before", 0), run.get("load_average", 0)) for run in runs]),
+        "first_step_over_seconds": spread([run.get("first_step_over_seconds") for run in runs]),
         "errors": [run["error"] for run in runs if "error" in run],
     }
 
@@ -365,12 +408,25 @@ def summarize(runs: list[dict]) -> dict:
 def ratios(b_runs: list[dict], a_runs: list[dict]) -> dict:
     """b/a per repetition pair (runs are interleaved), and their spread."""
     pairs = [(b, a) for b, a in zip(b_runs, a_runs) if "error" not in b and "error" not in a]
+    bounds = [b["voxels_per_second"] * a["first_step_over_seconds"] / (b_steps(b))
+              for b, a in zip(b_runs, a_runs) if "error" not in b and a.get("first_step_over_seconds")]
     return {
+        "pairs": len(pairs),
+        "loaded_pairs": sum(1 for b, a in pairs if b.get("loaded") or a.get("loaded")),
+        # a's run did not finish its first step: b's voxels/s over a's is at least this
+        "voxels_per_second_at_least": spread(bounds),
+        "bound_loaded": any(b.get("loaded") or a.get("loaded") for b, a in zip(b_runs, a_runs)
+                            if a.get("first_step_over_seconds")),
         "voxels_per_second": spread([b["voxels_per_second"] / a["voxels_per_second"] for b, a in pairs]),
         "median_step_seconds": spread([b["median_step_seconds"] / a["median_step_seconds"] for b, a in pairs]),
         "cpu_seconds_per_step": spread([b["cpu_seconds_per_step"] / a["cpu_seconds_per_step"] for b, a in pairs]),
         "peak_rss_bytes": spread([b["peak_rss_bytes"] / a["peak_rss_bytes"] for b, a in pairs]),
     }
+
+
+def b_steps(run: dict) -> float:
+    """Voxels of one step of ``run``: its voxels/s times its median step."""
+    return run["voxels_per_second"] * run["median_step_seconds"]
 
 
 def log(message: str) -> None:
@@ -405,6 +461,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--levers", nargs="*", help="only these levers (names as in the table)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument("--rows", nargs="+", default=["stock", "peer", "bigmem"], choices=["stock", "peer", "bigmem"])
+    parser.add_argument("--isa", help="ONEDNN_MAX_CPU_ISA for every run (AVX2: oneDNN as on an AVX2-only CPU)")
+    parser.add_argument("--peer-timeout", type=float, help="time limit of a reference run (a bound past a cliff)")
+    parser.add_argument("--cases", type=int, help="synthetic cases to write (default: enough for the steps)")
+    parser.add_argument("--sample-interval", type=float, default=0.5, help="peak-RSS sampler period, s")
+    parser.add_argument("--limit-per-rep", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the single-Conv3D limit in each repetition")
+    parser.add_argument("--name", default="throughput", help="results file stem (throughput -> throughput.json)")
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -420,13 +484,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     most_steps = max(args.warmup + args.steps, args.lever_warmup + args.lever_steps)
-    dataset = args.out / "dataset"
+    dataset = args.out / ("dataset-" + "x".join(map(str, args.shape)))
     if set(args.sections) - {"report"}:
-        dataset = write_synthetic_dataset(dataset, cases=max(16, args.batch * most_steps + 4),
+        dataset = write_synthetic_dataset(dataset, cases=args.cases or max(16, args.batch * most_steps + 4),
                                           shape=tuple(args.shape), seed=7)
     common = {"shape": args.shape, "batch": args.batch, "base_filters": args.base_filters, "depth": args.depth,
-              "warmup": args.warmup, "steps": args.steps, "dataset": str(dataset)}
-    results_path = args.out / "throughput.json"
+              "warmup": args.warmup, "steps": args.steps, "dataset": str(dataset),
+              "sample_interval": args.sample_interval}
+    isa_env = {"ONEDNN_MAX_CPU_ISA": args.isa} if args.isa else {}
+    results_path = args.out / f"{args.name}.json"
     report: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
     report.update({
         "command": "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -434,6 +500,8 @@ def main(argv: list[str] | None = None) -> int:
         "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "flags": _flags_of_interest(),
                  "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()},
         "workload": {key: common[key] for key in ("shape", "batch", "base_filters", "depth")},
+        "onednn_max_cpu_isa": args.isa,
+        "load_at_start": os.getloadavg(),
         "chosen_settings": CHOSEN,
     })
     conv_spec = {"kind": "conv", "repeats": 3,
@@ -448,21 +516,28 @@ def main(argv: list[str] | None = None) -> int:
         report["limit_settings"] = limit_runs
 
     if "main" in args.sections:
-        runs = {"reference": [], "bigmem": []}
+        rows = args.rows
+        runs: dict = {name: [] for name in rows}
         for rep in range(args.reps):
-            for name in (("reference", "bigmem") if rep % 2 == 0 else ("bigmem", "reference")):
-                spec = {**common, "kind": name, "settings": CHOSEN}
-                run = run_child(spec, None if name == "reference" else CHOSEN, args.timeout)
+            # Alternating order (rotated each repetition) so that load from other work hits every row alike.
+            order = rows[rep % len(rows):] + rows[:rep % len(rows)]
+            for name in order:
+                if name == "bigmem":
+                    spec = {**common, "kind": "bigmem", "settings": CHOSEN}
+                    run = run_child(spec, CHOSEN, args.timeout, isa_env)
+                else:
+                    spec = {**common, "kind": "reference"}
+                    timeout = args.peer_timeout or args.timeout
+                    run = run_child(spec, None, timeout, {**REFERENCE_ROWS[name], **isa_env})
                 runs[name].append(run)
                 log(f"rep {rep + 1} {name}: {describe(run)}")
-            # The limit in the same repetition, under the same load: one Conv3D forward + backward.
-            run = run_child(conv_spec, CHOSEN, args.timeout)
-            runs.setdefault("conv", []).append(run)
-            log(f"rep {rep + 1} conv limit: " + json.dumps({k: v for k, v in run.items() if k != "convolutions"}))
-        report["main"] = {"runs": runs, "reference": summarize(runs["reference"]),
-                          "bigmem": summarize(runs["bigmem"]), "warmup": args.warmup, "steps": args.steps,
-                 "workload": report["workload"],
-                          "ratio_bigmem_over_reference": ratios(runs["bigmem"], runs["reference"])}
+                save_main(report, runs, args, results_path)
+            if args.limit_per_rep:
+                # The limit in the same repetition, under the same load: one Conv3D forward + backward.
+                run = run_child(conv_spec, CHOSEN, args.timeout, isa_env)
+                runs.setdefault("conv", []).append(run)
+                log(f"rep {rep + 1} conv limit: " + json.dumps({k: v for k, v in run.items() if k != "convolutions"}))
+        save_main(report, runs, args, results_path)
 
     if "levers" in args.sections:
         levers = dict(report.get("levers", {}))
@@ -492,10 +567,24 @@ def main(argv: list[str] | None = None) -> int:
     save(report, args, results_path)
     _print_table(report)
     try:
-        _plot(report, args.out / "throughput.png")
+        _plot(report, args.out / f"{args.name}.png")
     except Exception as error:  # the numbers matter more than the picture
         log(f"plot failed: {error}")
     return 0
+
+
+def save_main(report: dict, runs: dict, args, results_path: Path) -> None:
+    """The main section: every row's runs and summary, and the ratios per repetition (headline: bigmem-train
+    over the peer), flagged when a run of the pair saw a load above LOADED."""
+    section = {"runs": runs, "warmup": args.warmup, "steps": args.steps, "workload": report["workload"],
+               "rows": args.rows, "ratios": {}}
+    for name in args.rows:
+        section[name] = summarize(runs.get(name, []))
+    for b, a in (("bigmem", "peer"), ("bigmem", "stock"), ("peer", "stock")):
+        if b in runs and a in runs:
+            section["ratios"][f"{b}/{a}"] = ratios(runs[b], runs[a])
+    report["main"] = section
+    save(report, args, results_path)
 
 
 def save(report: dict, args, results_path: Path) -> None:
@@ -526,7 +615,7 @@ def _add_flops(report: dict, args) -> None:
     if main_section:
         runs = main_section["runs"]
         shares, cpu_shares, limits, cpu_limits = [], [], [], []
-        for name in ("reference", "bigmem"):
+        for name in main_section.get("rows", []):
             summary = main_section[name]
             per_rep = []
             for run, conv in zip(runs[name], runs.get("conv", [])):
@@ -569,21 +658,28 @@ def markdown_tables(report: dict) -> str:
     lines = []
     main_section = report.get("main")
     if main_section:
-        lines += ["| run | median step, s | kvoxels/s | CPU s/step | peak RSS, MiB | peak - RSS after import, MiB "
-                  "| THP share of RSS | GFLOP/s | share of conv limit (wall / CPU time) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for name, label in (("reference", "(a) reference: plain Keras, stock TF"),
-                            ("bigmem", "(b) bigmem-train, chosen settings")):
+        lines += ["| run | median step, s | kvoxels/s | CPU s/step | peak RSS, MiB | load (1 min) | GFLOP/s "
+                  "| share of conv limit (wall / CPU time) |", "|---|---|---|---|---|---|---|---|"]
+        for name in main_section.get("rows", []):
             s = main_section[name]
-            lines.append(f"| {label} | {_fmt(s['median_step_seconds'])} | {_fmt(s['voxels_per_second'], 1e-3, 1)} "
+            if not s["median_step_seconds"]:
+                bound = s.get("first_step_over_seconds") or {}
+                lines.append(f"| {ROW_LABELS[name]} | > {_fmt(bound, 1, 0)} (first step unfinished) | | | | "
+                             f"{_fmt(s['load_average'], 1, 1)} | | |")
+                continue
+            lines.append(f"| {ROW_LABELS[name]} | {_fmt(s['median_step_seconds'])} | {_fmt(s['voxels_per_second'], 1e-3, 1)} "
                          f"| {_fmt(s['cpu_seconds_per_step'])} | {_fmt(s['peak_rss_bytes'], 2**-20, 0)} "
-                         f"| {_fmt(s['activation_peak_bytes'], 2**-20, 0)} | {_fmt(s['thp_share_at_peak'], 100, 0)} % "
+                         f"| {_fmt(s['load_average'], 1, 1)} "
                          f"| {_fmt(s.get('achieved_gflops', {}), 1, 1)} | {_fmt(s.get('share_of_limit', {}), 100, 0)} % / "
                          f"{_fmt(s.get('share_of_limit_cpu_time', {}), 100, 0)} % |")
-        r = main_section["ratio_bigmem_over_reference"]
-        lines.append(f"| ratio b/a (per repetition pair) | {_fmt(r['median_step_seconds'])} | "
-                     f"{_fmt(r['voxels_per_second'])} | {_fmt(r['cpu_seconds_per_step'])} | "
-                     f"{_fmt(r['peak_rss_bytes'])} | | | | |")
+        lines += ["", "| ratio (per repetition pair) | voxels/s | step time | CPU s/step | peak RSS | pairs (loaded > "
+                  f"{LOADED}) |", "|---|---|---|---|---|---|"]
+        for key, r in main_section["ratios"].items():
+            voxels = _fmt(r["voxels_per_second"])
+            if r.get("voxels_per_second_at_least"):
+                voxels = f">= {_fmt(r['voxels_per_second_at_least'], 1, 1)} (bound: the other run's first step unfinished)"
+            lines.append(f"| {key} | {voxels} | {_fmt(r['median_step_seconds'])} | {_fmt(r['cpu_seconds_per_step'])} "
+                         f"| {_fmt(r['peak_rss_bytes'])} | {r['pairs']} ({r['loaded_pairs']} loaded) |")
         limit = report.get("limit", {})
         if limit.get("best_gflops"):
             lines.append("")
@@ -617,7 +713,7 @@ def _print_table(report: dict) -> None:
     print(markdown_tables(report))
     main_section = report.get("main")
     if main_section:
-        print("ratios b/a:", json.dumps(main_section["ratio_bigmem_over_reference"]))
+        print("ratios:", json.dumps(main_section["ratios"]))
 
 
 def _plot(report: dict, path: Path) -> None:
@@ -628,8 +724,9 @@ def _plot(report: dict, path: Path) -> None:
 
     names, steps, lows, highs, peaks = [], [], [], [], []
     main_section = report.get("main", {})
-    for name, label in (("reference", "reference (plain Keras, stock TF)"), ("bigmem", "bigmem-train (chosen)")):
-        if name in main_section and main_section[name]["median_step_seconds"]:
+    for name in main_section.get("rows", []):
+        label = ROW_LABELS[name]
+        if main_section[name]["median_step_seconds"]:
             s = main_section[name]
             names.append(label)
             steps.append(s["cpu_seconds_per_step"]["median"])
@@ -647,15 +744,16 @@ def _plot(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.45 * len(names) + 1.8), sharey=True)
     positions = range(len(names))
     errors = [[s - lo for s, lo in zip(steps, lows)], [hi - s for s, hi in zip(steps, highs)]]
-    left.barh(positions, steps, xerr=errors, color=["#999"] + ["#3a7"] * (len(names) - 1))
+    left.barh(positions, steps, xerr=errors, color=["#3a7" if "bigmem" in name else "#999" for name in names])
     left.set_yticks(list(positions), names)
     left.invert_yaxis()
-    left.set_xlabel("process CPU seconds per training step (bars: min-max over repetitions)\nwall-clock time varied 2-5x with the load of other jobs; see the table")
+    left.set_xlabel("process CPU seconds per training step (bars: min-max over repetitions)\nwall-clock times and load: see the table")
     right.barh(positions, peaks, color="#58c")
     right.set_xlabel("peak resident memory, MiB")
     workload = report["workload"]
+    isa = f", ONEDNN_MAX_CPU_ISA={report['onednn_max_cpu_isa']}" if report.get("onednn_max_cpu_isa") else ""
     fig.suptitle(f"3D U-Net {workload['shape']} x batch {workload['batch']}, {workload['base_filters']} filters, "
-                 f"depth {workload['depth']} on {report['host']['cpu']} ({report['host']['cores']} cores)")
+                 f"depth {workload['depth']} on {report['host']['cpu']} ({report['host']['cores']} cores{isa})")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

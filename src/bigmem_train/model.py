@@ -10,11 +10,14 @@ import keras
 from keras import layers, ops
 
 from .config import Config, ModelConfig
+from .conv import ChunkedConv3D, conv3d_for
 
 
 def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool = False):
     for index in (1, 2):
-        x = layers.Conv3D(filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}")(x)
+        # Past oneDNN's gemm scratchpad limit a ChunkedConv3D (same mathematics) keeps the filter gradient off
+        # the reference kernel (conv.py); below it the plain Keras layer.
+        x = conv3d_for(x.shape, filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}")(x)
         if batch_norm:
             # Momentum 0.9 rather than Keras' 0.99: with batches of 1-16 volumes and runs of tens to
             # hundreds of steps, the moving statistics used for validation must catch up quickly.
@@ -51,7 +54,9 @@ class RecomputedBlock(layers.Layer):
         self.concat = layers.Concatenate(axis=-1, name=f"{self.name}_concat") if upsampling else None
         self.convs, self.norms = [], []
         for index in (1, 2):
-            self.convs.append(layers.Conv3D(filters, 3, padding="same", use_bias=not batch_norm,
+            # The input shape is not known yet: ChunkedConv3D chunks only where it must (below oneDNN's
+            # limit it runs the plain layer's ops).
+            self.convs.append(ChunkedConv3D(filters, 3, padding="same", use_bias=not batch_norm,
                                             name=f"{self.name}_conv{index}"))
             if batch_norm:
                 self.norms.append(layers.BatchNormalization(momentum=0.9, synchronized=synchronized,
@@ -214,4 +219,9 @@ def compile_model(config: Config) -> keras.Model:
                  keras.metrics.MeanMetricWrapper(hard_dice, name="hard_dice")],
         jit_compile=config.runtime.xla,
     )
+    if config.runtime.onednn:
+        from .kernel_check import check_model, warn_reference_kernels
+
+        # Free unless a convolution is past oneDNN's gemm limit; then one small probe of this CPU's kernels.
+        warn_reference_kernels(check_model(model))
     return model
