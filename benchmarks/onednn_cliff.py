@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from bigmem_train.conv import (
+from bigmem_train.conv import (  # noqa: E402 (the checkout's src/ first, set just above)
     ConvGeometry,
     gemm_backward_weights_fits,
     gemm_backward_weights_scratchpad_bytes,
@@ -80,23 +80,30 @@ def worker(spec: dict) -> dict:
 
         @tf.function
         def input_gradient(w, dy, input_sizes=input_sizes):
-            return tf.raw_ops.Conv3DBackpropInputV2(input_sizes=input_sizes, filter=w, out_backprop=dy,
-                                                    strides=[1] * 5, padding="SAME")
+            return tf.raw_ops.Conv3DBackpropInputV2(
+                input_sizes=input_sizes, filter=w, out_backprop=dy, strides=[1] * 5, padding="SAME"
+            )
 
         @tf.function
         def filter_gradient(x, dy, chunk=chunk, sizes=sizes):
             if chunk:
                 return chunked_filter_gradient(x, dy, sizes, "same", chunk)
-            return tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=sizes, out_backprop=dy,
-                                                     strides=[1] * 5, padding="SAME")
+            return tf.raw_ops.Conv3DBackpropFilterV2(
+                input=x, filter_sizes=sizes, out_backprop=dy, strides=[1] * 5, padding="SAME"
+            )
 
-        ops = {"forward": (forward, (x, w)), "input_gradient": (input_gradient, (w, dy)),
-               "filter_gradient": (filter_gradient, (x, dy))}
+        ops = {
+            "forward": (forward, (x, w)),
+            "input_gradient": (input_gradient, (w, dy)),
+            "filter_gradient": (filter_gradient, (x, dy)),
+        }
         row = {**item}
         for name in item.get("which", list(ops)):
             function, args = ops[name]
             if spec.get("progress"):
-                Path(spec["progress"]).write_text(json.dumps({"op": name, "started": time.time(), "item": item}))
+                Path(spec["progress"]).write_text(
+                    json.dumps({"op": name, "started": time.time(), "item": item})
+                )
             function(*args).numpy()  # trace, create the primitive
             times, cpus = [], []
             for _ in range(item.get("repeats", 2)):
@@ -112,30 +119,55 @@ def worker(spec: dict) -> dict:
 
 def run_worker(spec: dict, env: dict, timeout: float) -> dict:
     load_before = os.getloadavg()[0]
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out, \
-            tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
+    with (
+        tempfile.NamedTemporaryFile("r", suffix=".json") as out,
+        tempfile.NamedTemporaryFile("r", suffix=".progress") as progress,
+    ):
         spec = {**spec, "progress": progress.name}
         started = time.time()
         try:
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec), out.name],
-                                  env=env, capture_output=True, text=True, timeout=timeout, check=False)
+            proc = subprocess.run(
+                [sys.executable, __file__, "--worker", json.dumps(spec), out.name],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
         except subprocess.TimeoutExpired:
             ended = time.time()
             state = json.loads(progress.read() or "{}")
-            return {"error": "timed out", "op": state.get("op"),
-                    "op_over_seconds": round(ended - state.get("started", started), 1),
-                    "load_before": load_before, "load_after": os.getloadavg()[0]}
+            return {
+                "error": "timed out",
+                "op": state.get("op"),
+                "op_over_seconds": round(ended - state.get("started", started), 1),
+                "load_before": load_before,
+                "load_after": os.getloadavg()[0],
+            }
         if proc.returncode:
-            return {"error": proc.stderr[-1500:], "load_before": load_before, "load_after": os.getloadavg()[0]}
+            return {
+                "error": proc.stderr[-1500:],
+                "load_before": load_before,
+                "load_after": os.getloadavg()[0],
+            }
         result = json.loads(Path(out.name).read_text())
-    result.update({"load_before": load_before, "load_after": os.getloadavg()[0],
-                   "process_seconds": round(time.time() - started, 1)})
+    result.update(
+        {
+            "load_before": load_before,
+            "load_after": os.getloadavg()[0],
+            "process_seconds": round(time.time() - started, 1),
+        }
+    )
     return result
 
 
 def child_env(isa: str | None) -> dict:
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", TF_CPP_MIN_LOG_LEVEL="3",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        TF_ENABLE_ONEDNN_OPTS="1",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+    )
     env.pop("ONEDNN_MAX_CPU_ISA", None)
     if isa:
         env["ONEDNN_MAX_CPU_ISA"] = isa
@@ -150,41 +182,63 @@ def section_create(args) -> dict:
     from bigmem_train.kernel_check import probe_backward_weights
 
     chunk = plan_depth_chunk(TILE_LAYER)
-    cases = [("depth 215 (formula: fits)", ConvGeometry((215, 240, 144), 32, 16)),
-             ("depth 216 (formula: over)", ConvGeometry((216, 240, 144), 32, 16)),
-             ("tile up0_conv1 240x240x144 32->16", TILE_LAYER),
-             ("tile 240x240x144 32->32", ConvGeometry((240, 240, 144), 32, 32)),
-             ("tile 240x240x144 16->16 (down0_conv2)", ConvGeometry((240, 240, 144), 16, 16)),
-             (f"kit's chunk of up0_conv1 ({chunk} planes + halo)", slab_geometry(TILE_LAYER, chunk))]
+    cases = [
+        ("depth 215 (formula: fits)", ConvGeometry((215, 240, 144), 32, 16)),
+        ("depth 216 (formula: over)", ConvGeometry((216, 240, 144), 32, 16)),
+        ("tile up0_conv1 240x240x144 32->16", TILE_LAYER),
+        ("tile 240x240x144 32->32", ConvGeometry((240, 240, 144), 32, 32)),
+        ("tile 240x240x144 16->16 (down0_conv2)", ConvGeometry((240, 240, 144), 16, 16)),
+        (f"kit's chunk of up0_conv1 ({chunk} planes + halo)", slab_geometry(TILE_LAYER, chunk)),
+    ]
     result = {"rows": []}
     for isa in (args.isa, None):
         load = os.getloadavg()[0]
-        created = probe_backward_weights([g for _, g in cases], env={"ONEDNN_MAX_CPU_ISA": isa} if isa else
-                                         {"ONEDNN_MAX_CPU_ISA": "ALL"})
+        created = probe_backward_weights(
+            [g for _, g in cases], env={"ONEDNN_MAX_CPU_ISA": isa} if isa else {"ONEDNN_MAX_CPU_ISA": "ALL"}
+        )
         for (label, geometry), (implementation, problem) in zip(cases, created):
-            row = {"isa": isa or "native", "case": label, "spatial": geometry.spatial, "cin": geometry.in_channels,
-                   "cout": geometry.out_channels,
-                   "scratchpad_bytes": gemm_backward_weights_scratchpad_bytes(geometry),
-                   "formula_fits": gemm_backward_weights_fits(geometry), "implementation": implementation,
-                   "problem": problem, "load": load}
+            row = {
+                "isa": isa or "native",
+                "case": label,
+                "spatial": geometry.spatial,
+                "cin": geometry.in_channels,
+                "cout": geometry.out_channels,
+                "scratchpad_bytes": gemm_backward_weights_scratchpad_bytes(geometry),
+                "formula_fits": gemm_backward_weights_fits(geometry),
+                "implementation": implementation,
+                "problem": problem,
+                "load": load,
+            }
             result["rows"].append(row)
-            log(f"{row['isa']:6} {label:45} {row['scratchpad_bytes']:>13,} B  fits={row['formula_fits']!s:5} "
-                f"-> {implementation}")
+            log(
+                f"{row['isa']:6} {label:45} {row['scratchpad_bytes']:>13,} B  fits={row['formula_fits']!s:5} "
+                f"-> {implementation}"
+            )
     return result
 
 
 def section_time(args) -> dict:
     chunk = plan_depth_chunk(TILE_LAYER)
-    item = {"spatial": list(TILE_LAYER.spatial), "cin": 32, "cout": 16, "kernel": [3, 3, 3],
-            "which": ["filter_gradient"], "repeats": 2}
+    item = {
+        "spatial": list(TILE_LAYER.spatial),
+        "cin": 32,
+        "cout": 16,
+        "kernel": [3, 3, 3],
+        "which": ["filter_gradient"],
+        "repeats": 2,
+    }
     result = {"rows": []}
     for isa in (None, args.isa):
         # Alternate plain and chunked; the plain one past the cliff only under a time limit.
         for variant in ("chunked", "plain"):
             spec = {"ops": [{**item, "chunk": chunk if variant == "chunked" else None}]}
             run = run_worker(spec, child_env(isa), args.ref_timeout)
-            row = {"isa": isa or "native", "variant": variant, "chunk": chunk if variant == "chunked" else None,
-                   **{k: v for k, v in run.items() if k != "rows"}}
+            row = {
+                "isa": isa or "native",
+                "variant": variant,
+                "chunk": chunk if variant == "chunked" else None,
+                **{k: v for k, v in run.items() if k != "rows"},
+            }
             if "rows" in run:
                 row["filter_gradient"] = run["rows"][0]["filter_gradient"]
             result["rows"].append(row)
@@ -199,7 +253,10 @@ def unet_convolutions(shape, base_filters=16, depth=4):
     for level in range(depth):
         spatial = [edge // 2**level for edge in shape]
         filters = base_filters * 2**level
-        layers += [(f"down{level}_conv1", spatial, cin, filters), (f"down{level}_conv2", spatial, filters, filters)]
+        layers += [
+            (f"down{level}_conv1", spatial, cin, filters),
+            (f"down{level}_conv2", spatial, filters, filters),
+        ]
         cin = filters
     spatial = [edge // 2**depth for edge in shape]
     filters = base_filters * 2**depth
@@ -207,7 +264,10 @@ def unet_convolutions(shape, base_filters=16, depth=4):
     for level in reversed(range(depth)):
         spatial = [edge // 2**level for edge in shape]
         filters = base_filters * 2**level
-        layers += [(f"up{level}_conv1", spatial, 2 * filters, filters), (f"up{level}_conv2", spatial, filters, filters)]
+        layers += [
+            (f"up{level}_conv1", spatial, 2 * filters, filters),
+            (f"up{level}_conv2", spatial, filters, filters),
+        ]
     return layers
 
 
@@ -216,26 +276,57 @@ def section_layers(args) -> dict:
     for name, spatial, cin, cout in unet_convolutions(args.shape):
         geometry = ConvGeometry(tuple(spatial), cin, cout)
         chunk = plan_depth_chunk(geometry)
-        which = ["forward", "filter_gradient"] if name == "down0_conv1" else ["forward", "input_gradient",
-                                                                               "filter_gradient"]
-        ops.append({"name": name, "spatial": spatial, "cin": cin, "cout": cout, "kernel": [3, 3, 3], "chunk": chunk,
-                    "which": which, "repeats": args.repeats, "batch": args.batch})
+        which = (
+            ["forward", "filter_gradient"]
+            if name == "down0_conv1"
+            else ["forward", "input_gradient", "filter_gradient"]
+        )
+        ops.append(
+            {
+                "name": name,
+                "spatial": spatial,
+                "cin": cin,
+                "cout": cout,
+                "kernel": [3, 3, 3],
+                "chunk": chunk,
+                "which": which,
+                "repeats": args.repeats,
+                "batch": args.batch,
+            }
+        )
     run = run_worker({"ops": ops, "threads": args.threads}, child_env(args.layer_isa), args.timeout)
     if "rows" in run:
         total = 0.0
         for row in run["rows"]:
             row["seconds"] = sum(row[op]["best"] for op in row["which"])
-            row["gflop"] = 2 * 27 * row["cin"] * row["cout"] * row["batch"] * (
-                row["spatial"][0] * row["spatial"][1] * row["spatial"][2]) * len(row["which"]) / 1e9
+            row["gflop"] = (
+                2
+                * 27
+                * row["cin"]
+                * row["cout"]
+                * row["batch"]
+                * (row["spatial"][0] * row["spatial"][1] * row["spatial"][2])
+                * len(row["which"])
+                / 1e9
+            )
             total += row["seconds"]
-            log(f"{row['name']:14} {row['spatial']} {row['cin']:>3}->{row['cout']:<3} chunk={row['chunk']} "
+            log(
+                f"{row['name']:14} {row['spatial']} {row['cin']:>3}->{row['cout']:<3} chunk={row['chunk']} "
                 + " ".join(f"{op} {row[op]['best']:.3f}s" for op in row["which"])
-                + f"  {row['gflop'] / row['seconds']:.1f} GFLOP/s")
+                + f"  {row['gflop'] / row['seconds']:.1f} GFLOP/s"
+            )
         run["sum_seconds"] = total
-        log(f"sum of the convolutions' best single-op times: {total:.2f} s (load {run['load_before']:.1f}-"
-            f"{run['load_after']:.1f})")
-    return {"shape": args.shape, "batch": args.batch, "isa": args.layer_isa or "native", "threads": args.threads,
-            **run}
+        log(
+            f"sum of the convolutions' best single-op times: {total:.2f} s (load {run['load_before']:.1f}-"
+            f"{run['load_after']:.1f})"
+        )
+    return {
+        "shape": args.shape,
+        "batch": args.batch,
+        "isa": args.layer_isa or "native",
+        "threads": args.threads,
+        **run,
+    }
 
 
 def plot_layers(report: dict, path: Path) -> None:
@@ -245,15 +336,23 @@ def plot_layers(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sections = [(key, value) for key, value in report.items() if key.startswith("layers-") and "rows" in value]
+    sections = [
+        (key, value) for key, value in report.items() if key.startswith("layers-") and "rows" in value
+    ]
     fig, axes = plt.subplots(1, len(sections), figsize=(6 * len(sections), 6), squeeze=False)
     for axis, (key, section) in zip(axes[0], sections):
         names = [row["name"] for row in section["rows"]]
         seconds = [sum(row[op]["cpu_best"] for op in row["which"]) for row in section["rows"]]
-        axis.barh(range(len(names)), seconds, color=["#c63" if row.get("chunk") else "#3a7" for row in section["rows"]])
+        axis.barh(
+            range(len(names)),
+            seconds,
+            color=["#c63" if row.get("chunk") else "#3a7" for row in section["rows"]],
+        )
         axis.set_yticks(range(len(names)), names)
         axis.invert_yaxis()
-        axis.set_xlabel("CPU s: forward + input + filter gradient, best single op\n(orange: chunked filter gradient)")
+        axis.set_xlabel(
+            "CPU s: forward + input + filter gradient, best single op\n(orange: chunked filter gradient)"
+        )
         axis.set_title(f"{key} (sum {sum(seconds):.1f} CPU-s)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -261,7 +360,9 @@ def plot_layers(report: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["create", "time"], choices=["create", "time", "layers", "plot"])
+    parser.add_argument(
+        "--sections", nargs="+", default=["create", "time"], choices=["create", "time", "layers", "plot"]
+    )
     parser.add_argument("--isa", default="AVX2")
     parser.add_argument("--layer-isa", help="ONEDNN_MAX_CPU_ISA for the layers section (default: native)")
     parser.add_argument("--ref-timeout", type=float, default=300)
@@ -277,13 +378,26 @@ def main(argv=None) -> int:
         Path(args.worker[1]).write_text(json.dumps(worker(json.loads(args.worker[0]))))
         return 0
     report = json.loads(args.out.read_text()) if args.out.exists() else {}
-    report["host"] = {"cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                                   if line.startswith("model name")), "?"), "cores": os.cpu_count()}
+    report["host"] = {
+        "cpu": next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "?",
+        ),
+        "cores": os.cpu_count(),
+    }
     for section in [s for s in args.sections if s != "plot"]:
         log(f"section {section}")
         result = {"create": section_create, "time": section_time, "layers": section_layers}[section](args)
         result["when"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        key = section if section != "layers" else f"layers-{'x'.join(map(str, args.shape))}-{args.layer_isa or 'native'}"
+        key = (
+            section
+            if section != "layers"
+            else f"layers-{'x'.join(map(str, args.shape))}-{args.layer_isa or 'native'}"
+        )
         if section == "layers" and args.threads:
             key += f"-threads{args.threads}"
         report[key] = result

@@ -44,7 +44,14 @@ SWEEP: list[dict] = [
     {"shape": (80, 80, 48), "batch": 3, "filters": 8, "depth": 4, "channels": 1, "classes": 4},
     {"shape": (64, 64, 32), "batch": 1, "filters": 32, "depth": 3, "channels": 1},
     {"shape": (96, 96, 64), "batch": 2, "filters": 8, "depth": 4, "channels": 4, "recompute": True},
-    {"shape": (64, 64, 48), "batch": 2, "filters": 8, "depth": 3, "channels": 1, "precision": "mixed_bfloat16"},
+    {
+        "shape": (64, 64, 48),
+        "batch": 2,
+        "filters": 8,
+        "depth": 3,
+        "channels": 1,
+        "precision": "mixed_bfloat16",
+    },
     {"shape": (128, 96, 64), "batch": 1, "filters": 8, "depth": 4, "channels": 1},
     # 2 to 8 GiB
     {"shape": (128, 128, 96), "batch": 1, "filters": 8, "depth": 3, "channels": 1},
@@ -112,15 +119,23 @@ def measure(results: Path, repeats: int, max_bytes: float, only: list[int] | Non
             except BadInput as error:  # one job that cannot run here (memory, a killed child) stops no other
                 print(f"[{index}] {describe(job)}: not measured: {error}", flush=True)
                 continue
-            record = {"job": {**job, "shape": list(job["shape"])}, "peak_rss_bytes": metrics["peak_rss_bytes"],
-                      "median_step_seconds": metrics.get("median_step_seconds"),
-                      "wall_seconds": metrics["wall_seconds"], "load_before": round(load, 2),
-                      "date": time.strftime("%Y-%m-%d"), "host": platform.node()}
+            record = {
+                "job": {**job, "shape": list(job["shape"])},
+                "peak_rss_bytes": metrics["peak_rss_bytes"],
+                "median_step_seconds": metrics.get("median_step_seconds"),
+                "wall_seconds": metrics["wall_seconds"],
+                "load_before": round(load, 2),
+                "date": time.strftime("%Y-%m-%d"),
+                "host": platform.node(),
+            }
             with results.open("a") as stream:
                 stream.write(json.dumps(record) + "\n")
             counts[describe(job)] = counts.get(describe(job), 0) + 1
-            print(f"[{index}] {describe(job)}: peak {metrics['peak_rss_bytes'] / GIB:.3f} GiB, predicted "
-                  f"{predicted / GIB:.3f} GiB, {metrics['wall_seconds']} s (load {load:.1f})", flush=True)
+            print(
+                f"[{index}] {describe(job)}: peak {metrics['peak_rss_bytes'] / GIB:.3f} GiB, predicted "
+                f"{predicted / GIB:.3f} GiB, {metrics['wall_seconds']} s (load {load:.1f})",
+                flush=True,
+            )
 
 
 def report(results: Path, calibration: Calibration) -> dict:
@@ -135,46 +150,70 @@ def report(results: Path, calibration: Calibration) -> dict:
         predicted = sum(predicted_for_run(config, calibration).values())
         errors = [(predicted - r["peak_rss_bytes"]) / r["peak_rss_bytes"] for r in records]
         worst = min(errors) if min(errors) < 0 else max(errors)
-        rows.append({"job": name, "measured": [r["peak_rss_bytes"] for r in records], "predicted": predicted,
-                     "errors": errors, "worst": worst, "runs": len(records),
-                     "step_seconds": records[-1].get("median_step_seconds")})
+        rows.append(
+            {
+                "job": name,
+                "measured": [r["peak_rss_bytes"] for r in records],
+                "predicted": predicted,
+                "errors": errors,
+                "worst": worst,
+                "runs": len(records),
+                "step_seconds": records[-1].get("median_step_seconds"),
+            }
+        )
     rows.sort(key=lambda row: row["predicted"])
-    print(f"constants: {calibration.source}: baseline {calibration.runtime_baseline_bytes / 2**20:.0f} MiB, "
-          f"activation factor {calibration.activation_factor}")
+    print(
+        f"constants: {calibration.source}: baseline {calibration.runtime_baseline_bytes / 2**20:.0f} MiB, "
+        f"activation factor {calibration.activation_factor}"
+    )
     print("| job | measured GiB (runs) | predicted GiB | error per run | judged (worse run) |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:
         measured = ", ".join(f"{m / GIB:.3f}" for m in row["measured"])
         errors = ", ".join(f"{e:+.1%}" for e in row["errors"])
-        print(f"| {row['job']} | {measured} | {row['predicted'] / GIB:.3f} | {errors} | {row['worst']:+.1%} |")
+        print(
+            f"| {row['job']} | {measured} | {row['predicted'] / GIB:.3f} | {errors} | {row['worst']:+.1%} |"
+        )
     summary = {}
     for name, low, high in [*BANDS, ("all", 0, float("inf"))]:
         band = [row for row in rows if low <= row["predicted"] < high]
         if not band:
             continue
         absolute = [abs(row["worst"]) for row in band]
-        summary[name] = {"jobs": len(band), "mae": sum(absolute) / len(absolute), "worst": max(absolute),
-                         "most_under": min(min(row["worst"] for row in band), 0.0),
-                         "single_run_jobs": sum(1 for row in band if row["runs"] < 2)}
+        summary[name] = {
+            "jobs": len(band),
+            "mae": sum(absolute) / len(absolute),
+            "worst": max(absolute),
+            "most_under": min(min(row["worst"] for row in band), 0.0),
+            "single_run_jobs": sum(1 for row in band if row["runs"] < 2),
+        }
     print("\n| band | jobs | mean abs. error | worst | most under-predicted |")
     print("|---|---:|---:|---:|---:|")
     for name, figures in summary.items():
-        print(f"| {name} | {figures['jobs']} | {figures['mae']:.1%} | {figures['worst']:.1%} | "
-              f"{figures['most_under']:+.1%} |")
+        print(
+            f"| {name} | {figures['jobs']} | {figures['mae']:.1%} | {figures['worst']:.1%} | "
+            f"{figures['most_under']:+.1%} |"
+        )
     overall = summary["all"]
     met = overall["mae"] <= 0.03 and overall["worst"] <= 0.05 and overall["most_under"] >= -0.04
-    print(f"\ntargets (MAE <= 3 %, worst <= 5 %, none under-predicted by more than 4 %): "
-          f"{'met' if met else 'NOT met'} on {overall['jobs']} jobs"
-          + (f" ({overall['single_run_jobs']} measured once so far)" if overall["single_run_jobs"] else ""))
+    print(
+        f"\ntargets (MAE <= 3 %, worst <= 5 %, none under-predicted by more than 4 %): "
+        f"{'met' if met else 'NOT met'} on {overall['jobs']} jobs"
+        + (f" ({overall['single_run_jobs']} measured once so far)" if overall["single_run_jobs"] else "")
+    )
     return {"rows": rows, "summary": summary, "targets_met": met, "constants": calibration.source}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="measurements (JSON lines)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per job (judged on the worse)")
     parser.add_argument("--max-gib", type=float, default=20.0, help="skip jobs predicted above this")
-    parser.add_argument("--only", type=int, action="append", help="measure only this sweep index (repeatable)")
+    parser.add_argument(
+        "--only", type=int, action="append", help="measure only this sweep index (repeatable)"
+    )
     parser.add_argument("--predict-only", action="store_true", help="only re-predict stored measurements")
     parser.add_argument("--json", type=Path, help="also write the table and summary here")
     args = parser.parse_args()

@@ -25,14 +25,14 @@ from pathlib import Path
 
 # (batch, depth, height, width, input channels, output channels); 2 threads
 CASES = [
-    (1, 160, 152, 104, 16, 8),   # the top up block's first conv of the 160x152x104 f8 job
+    (1, 160, 152, 104, 16, 8),  # the top up block's first conv of the 160x152x104 f8 job
     (1, 160, 152, 104, 8, 8),
-    (4, 96, 96, 96, 16, 8),      # batch 4: still one sample's copy
+    (4, 96, 96, 96, 16, 8),  # batch 4: still one sample's copy
     (2, 128, 128, 128, 16, 8),
     (1, 192, 192, 128, 16, 8),
-    (1, 1024, 16, 16, 32, 32),   # small slices: 128 rows per thread ...
-    (2, 1024, 16, 16, 32, 32),   # ... and batch > 1: one copy per thread
-    (2, 1024, 32, 32, 32, 32),   # 512 rows per thread: one copy
+    (1, 1024, 16, 16, 32, 32),  # small slices: 128 rows per thread ...
+    (2, 1024, 16, 16, 32, 32),  # ... and batch > 1: one copy per thread
+    (2, 1024, 32, 32, 32, 32),  # 512 rows per thread: one copy
 ]
 THREADS = 2
 MiB = 2**20
@@ -51,8 +51,13 @@ def child(case: tuple[int, ...]) -> dict:
 
     @tf.function
     def filter_gradient(x, g):
-        return tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=[3, 3, 3, cin, cout], out_backprop=g,
-                                                 strides=[1, 1, 1, 1, 1], padding="SAME")
+        return tf.raw_ops.Conv3DBackpropFilterV2(
+            input=x,
+            filter_sizes=[3, 3, 3, cin, cout],
+            out_backprop=g,
+            strides=[1, 1, 1, 1, 1],
+            padding="SAME",
+        )
 
     rises = []
     for _ in range(3):
@@ -68,10 +73,26 @@ def formula_bytes(case: tuple[int, ...]) -> int:
 
     batch, depth, height, width, cin, cout = case
     table = [
-        {"name": "x", "kind": "InputLayer", "inputs": [], "divisor": [1, 1, 1], "channels": cin,
-         "dtype": "float32", "kernel_dtype": "float32", "kernel_size": []},
-        {"name": "conv", "kind": "Conv3D", "inputs": ["x"], "divisor": [1, 1, 1], "channels": cout,
-         "dtype": "float32", "kernel_dtype": "float32", "kernel_size": [3, 3, 3]},
+        {
+            "name": "x",
+            "kind": "InputLayer",
+            "inputs": [],
+            "divisor": [1, 1, 1],
+            "channels": cin,
+            "dtype": "float32",
+            "kernel_dtype": "float32",
+            "kernel_size": [],
+        },
+        {
+            "name": "conv",
+            "kind": "Conv3D",
+            "inputs": ["x"],
+            "divisor": [1, 1, 1],
+            "channels": cout,
+            "dtype": "float32",
+            "kernel_dtype": "float32",
+            "kernel_size": [3, 3, 3],
+        },
     ]
     return onednn_scratchpad_bytes(table, batch, (depth, height, width), threads=THREADS)
 
@@ -84,21 +105,33 @@ def main() -> int:
     from bigmem_train.launch import runtime_environment
 
     env = dict(runtime_environment(load_config()), TF_CPP_MIN_LOG_LEVEL="3")
-    print(f"runtime: TF_ENABLE_ONEDNN_OPTS={env.get('TF_ENABLE_ONEDNN_OPTS')}, "
-          f"LD_PRELOAD={Path(env['LD_PRELOAD']).name if env.get('LD_PRELOAD') else '(none)'}, {THREADS} threads")
-    print("| batch x D x H x W, channels in -> out | first call rise MiB | later calls | formula MiB | rise - formula |")
+    print(
+        f"runtime: TF_ENABLE_ONEDNN_OPTS={env.get('TF_ENABLE_ONEDNN_OPTS')}, "
+        f"LD_PRELOAD={Path(env['LD_PRELOAD']).name if env.get('LD_PRELOAD') else '(none)'}, {THREADS} threads"
+    )
+    print(
+        "| batch x D x H x W, channels in -> out | first call rise MiB | later calls | formula MiB | rise - formula |"
+    )
     print("|---|---:|---:|---:|---:|")
     for case in CASES:
-        result = subprocess.run([sys.executable, __file__, "--child", json.dumps(case)], env=env,
-                                capture_output=True, text=True, timeout=900)
+        result = subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(case)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if result.returncode != 0:
             print(f"| {case} | failed: {result.stderr.strip().splitlines()[-1:]} |")
             continue
         rises = json.loads(result.stdout.strip().splitlines()[-1])["rise_MiB"]
         formula = formula_bytes(case) / MiB
         batch, depth, height, width, cin, cout = case
-        print(f"| {batch}x{depth}x{height}x{width}, {cin} -> {cout} | {rises[0]:.0f} "
-              f"| {rises[1]:.0f}, {rises[2]:.0f} | {formula:.1f} | {rises[0] - formula:+.1f} |", flush=True)
+        print(
+            f"| {batch}x{depth}x{height}x{width}, {cin} -> {cout} | {rises[0]:.0f} "
+            f"| {rises[1]:.0f}, {rises[2]:.0f} | {formula:.1f} | {rises[0] - formula:+.1f} |",
+            flush=True,
+        )
     return 0
 
 

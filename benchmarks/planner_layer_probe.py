@@ -80,7 +80,12 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
         tensor_mib *= edge
     tensor_mib = tensor_mib * channels * 4 / 2**20
     for kind in layers:
-        result = {"layer": kind, "shape": list(shape), "channels": channels, "input_MiB_per_sample": tensor_mib}
+        result = {
+            "layer": kind,
+            "shape": list(shape),
+            "channels": channels,
+            "input_MiB_per_sample": tensor_mib,
+        }
         for batch in (1, 2):
             model = build(kind)
             data = tf.Variable(tf.random.normal((batch, *shape, channels)))
@@ -106,7 +111,9 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, of {', '.join(LAYERS)}")
     parser.add_argument("--shape", default="64,64,64")
     parser.add_argument("--channels", type=int, default=8)

@@ -82,10 +82,15 @@ def run_one(kind: str, seconds: float, interval: float, folder: Path) -> dict:
     cpu = thread_cpu_seconds(sampler._thread)
     wall = time.monotonic() - started
     sampler.stop()
-    result = {"sampler": kind, "wall_seconds": round(wall, 2), "thread_cpu_seconds": round(cpu, 4),
-              "share_of_one_core": round(cpu / wall, 5), "samples": sampler.samples,
-              "cpu_ms_per_sample": round(1000 * cpu / max(1, sampler.samples), 3),
-              "load_average_1min": round(os.getloadavg()[0], 2)}
+    result = {
+        "sampler": kind,
+        "wall_seconds": round(wall, 2),
+        "thread_cpu_seconds": round(cpu, 4),
+        "share_of_one_core": round(cpu / wall, 5),
+        "samples": sampler.samples,
+        "cpu_ms_per_sample": round(1000 * cpu / max(1, sampler.samples), 3),
+        "load_average_1min": round(os.getloadavg()[0], 2),
+    }
     if kind == "current":
         result["page_table_walks"] = sampler.walks
         result["walk_ms_each"] = round(1000 * sampler.walk_seconds / max(1, sampler.walks), 1)
@@ -97,10 +102,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=9.0, help="touched memory to hold (GiB, default 9)")
     parser.add_argument("--seconds", type=float, default=30.0, help="seconds per run (default 30)")
-    parser.add_argument("--repetitions", type=int, default=2, help="alternating runs of each sampler (default 2)")
-    parser.add_argument("--interval", type=float, default=0.25, help="sample interval (default 0.25 s, the default)")
-    parser.add_argument("--pages", choices=["4k", "thp"], default="4k",
-                        help="back the held memory with 4 KiB pages (default) or transparent huge pages")
+    parser.add_argument(
+        "--repetitions", type=int, default=2, help="alternating runs of each sampler (default 2)"
+    )
+    parser.add_argument(
+        "--interval", type=float, default=0.25, help="sample interval (default 0.25 s, the default)"
+    )
+    parser.add_argument(
+        "--pages",
+        choices=["4k", "thp"],
+        default="4k",
+        help="back the held memory with 4 KiB pages (default) or transparent huge pages",
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "sampler_cost.json")
     args = parser.parse_args()
 
@@ -113,11 +126,14 @@ def main() -> int:
     rss = psutil.Process().memory_info().rss
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     huge = re.search(r"^AnonHugePages:\s+(\d+) kB", Path("/proc/self/smaps_rollup").read_text(), re.MULTILINE)
-    print(f"holding {rss / 2**30:.2f} GiB resident (THP {thp}, {int(huge.group(1)) / 2**20:.2f} GiB in huge "
-          f"pages); load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"holding {rss / 2**30:.2f} GiB resident (THP {thp}, {int(huge.group(1)) / 2**20:.2f} GiB in huge "
+        f"pages); load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     runs = []
     with tempfile.TemporaryDirectory() as folder:
-        for repetition in range(args.repetitions):
+        for _ in range(args.repetitions):
             for kind in ("previous", "current"):
                 result = run_one(kind, args.seconds, args.interval, Path(folder))
                 runs.append(result)
@@ -131,14 +147,27 @@ def main() -> int:
     current = sum(run["thread_cpu_seconds"] for run in runs if run["sampler"] == "current")
     summary["previous_over_current_cpu"] = round(previous / current, 1) if current else None
     before, after = summary["previous"], summary["current"]
-    print(f"sampler CPU share of one core at {rss / 2**30:.1f} GiB resident: previous "
-          f"{before['share_of_one_core_min']:.2%}-{before['share_of_one_core_max']:.2%}, "
-          f"current {after['share_of_one_core_min']:.3%}-{after['share_of_one_core_max']:.3%} "
-          f"(previous/current CPU {summary['previous_over_current_cpu']}x)")
+    print(
+        f"sampler CPU share of one core at {rss / 2**30:.1f} GiB resident: previous "
+        f"{before['share_of_one_core_min']:.2%}-{before['share_of_one_core_max']:.2%}, "
+        f"current {after['share_of_one_core_min']:.3%}-{after['share_of_one_core_max']:.3%} "
+        f"(previous/current CPU {summary['previous_over_current_cpu']}x)"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"resident_bytes": rss, "thp": thp, "pages": args.pages,
-                                    "interval_seconds": args.interval, "runs": runs, "summary": summary},
-                                   indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "resident_bytes": rss,
+                "thp": thp,
+                "pages": args.pages,
+                "interval_seconds": args.interval,
+                "runs": runs,
+                "summary": summary,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -42,14 +42,26 @@ def main() -> None:
         started = time.perf_counter()
         dataset = write_synthetic_dataset(Path(folder) / "data", cases=args.cases, shape=shape, seed=1234)
         print(f"synth: {time.perf_counter() - started:.1f} s")
-        config = config_from_dict({
-            "data": {"source": "decathlon", "path": str(dataset), "input_shape": list(input_shape),
-                     "crop_jitter": args.jitter},
-            "model": {"depth": args.depth, "base_filters": args.filters},
-            "training": {"batch_size": args.batch, "epochs": args.epochs, "learning_rate": args.learning_rate},
-        })
+        config = config_from_dict(
+            {
+                "data": {
+                    "source": "decathlon",
+                    "path": str(dataset),
+                    "input_shape": list(input_shape),
+                    "crop_jitter": args.jitter,
+                },
+                "model": {"depth": args.depth, "base_filters": args.filters},
+                "training": {
+                    "batch_size": args.batch,
+                    "epochs": args.epochs,
+                    "learning_rate": args.learning_rate,
+                },
+            }
+        )
         cases = check_dataset(config)
-        train_cases, validation_cases = split_cases(cases, config.data.validation_fraction, config.data.split_seed)
+        train_cases, validation_cases = split_cases(
+            cases, config.data.validation_fraction, config.data.split_seed
+        )
         datasets = make_datasets(config, train_cases, validation_cases)
 
         from bigmem_train.model import compile_model
@@ -61,14 +73,21 @@ def main() -> None:
             for layer in model.layers:
                 if layer.__class__.__name__ == "BatchNormalization":
                     layer.momentum = args.bn_momentum
-        history = model.fit(datasets.train, epochs=args.epochs, steps_per_epoch=datasets.train_steps,
-                            validation_data=datasets.validation, validation_steps=datasets.validation_steps,
-                            verbose=2)
+        history = model.fit(
+            datasets.train,
+            epochs=args.epochs,
+            steps_per_epoch=datasets.train_steps,
+            validation_data=datasets.validation,
+            validation_steps=datasets.validation_steps,
+            verbose=2,
+        )
         print("epoch  loss    dice    val_dice  val_hard_dice")
         for epoch in range(args.epochs):
             row = {key: values[epoch] for key, values in history.history.items()}
-            print(f"{epoch + 1:5d}  {row['loss']:.4f}  {row['dice']:.4f}  {row['val_dice']:.4f}    "
-                  f"{row['val_hard_dice']:.4f}")
+            print(
+                f"{epoch + 1:5d}  {row['loss']:.4f}  {row['dice']:.4f}  {row['val_dice']:.4f}    "
+                f"{row['val_hard_dice']:.4f}"
+            )
         print(f"total: {time.perf_counter() - started:.1f} s")
 
 

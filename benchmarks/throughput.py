@@ -39,7 +39,6 @@ ALLOCATORS = {
 }
 
 
-
 def chosen_settings() -> dict:
     """bigmem-train's chosen settings: the config schema's defaults (one source of truth); each lever
     below changes exactly one of them."""
@@ -194,36 +193,54 @@ def worker_model(spec: dict) -> dict:
 
         index = json.loads((Path(spec["dataset"]) / "dataset.json").read_text())["training"]
         cases = index[: batch * (warmup + steps)]
-        x, y = reference_unet.load_arrays([Path(spec["dataset"]) / c["image"] for c in cases],
-                                          [Path(spec["dataset"]) / c["label"] for c in cases], shape)
+        x, y = reference_unet.load_arrays(
+            [Path(spec["dataset"]) / c["image"] for c in cases],
+            [Path(spec["dataset"]) / c["label"] for c in cases],
+            shape,
+        )
         model = reference_unet.unet3d(shape, 1, spec["base_filters"], spec["depth"])
         model.compile(optimizer="adam", loss=reference_unet.dice_bce_loss, metrics=[reference_unet.dice_coef])
         fit_starts()
         with PeakSampler(interval) as sampler:
             model.fit(x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[_step_callback(keras, record)])
-        result["threads"] = [tf.config.threading.get_intra_op_parallelism_threads(),
-                             tf.config.threading.get_inter_op_parallelism_threads()]
+        result["threads"] = [
+            tf.config.threading.get_intra_op_parallelism_threads(),
+            tf.config.threading.get_inter_op_parallelism_threads(),
+        ]
     else:
         from bigmem_train.config import config_from_dict
         from bigmem_train.data import check_dataset, make_datasets, split_cases
         from bigmem_train.host import read_host_facts
-        from bigmem_train.model import compile_model
         from bigmem_train.launch import choose_threads
+        from bigmem_train.model import compile_model
 
         settings = spec["settings"]
-        runtime = {"precision": settings["precision"], "xla": settings["xla"], "allocator": settings["allocator"]}
+        runtime = {
+            "precision": settings["precision"],
+            "xla": settings["xla"],
+            "allocator": settings["allocator"],
+        }
         if settings["intra"]:
             runtime["intra_op_threads"] = settings["intra"]
         if settings["inter"]:
             runtime["inter_op_threads"] = settings["inter"]
-        config = config_from_dict({
-            "data": {"source": "decathlon", "path": spec["dataset"], "input_shape": list(shape),
-                     "crop_jitter": 0},
-            "model": {"depth": spec["depth"], "base_filters": spec["base_filters"],
-                      "recompute": settings["recompute"]},
-            "training": {"batch_size": batch, "steps_per_epoch": warmup + steps},
-            "runtime": runtime,
-        })
+        config = config_from_dict(
+            {
+                "data": {
+                    "source": "decathlon",
+                    "path": spec["dataset"],
+                    "input_shape": list(shape),
+                    "crop_jitter": 0,
+                },
+                "model": {
+                    "depth": spec["depth"],
+                    "base_filters": spec["base_filters"],
+                    "recompute": settings["recompute"],
+                },
+                "training": {"batch_size": batch, "steps_per_epoch": warmup + steps},
+                "runtime": runtime,
+            }
+        )
         if settings["intra"] == 0:  # 0 = leave TensorFlow's own defaults
             threads = None
         else:
@@ -231,7 +248,9 @@ def worker_model(spec: dict) -> dict:
             tf.config.threading.set_intra_op_parallelism_threads(threads[0])
             tf.config.threading.set_inter_op_parallelism_threads(threads[1])
         cases = check_dataset(config)
-        train_cases, validation_cases = split_cases(cases, config.data.validation_fraction, config.data.split_seed)
+        train_cases, validation_cases = split_cases(
+            cases, config.data.validation_fraction, config.data.split_seed
+        )
         datasets = make_datasets(config, train_cases, validation_cases)
         # The input pipeline on its own: seconds per batch, to compare with the step time.
         iterator = iter(datasets.train)
@@ -243,28 +262,35 @@ def worker_model(spec: dict) -> dict:
         model = compile_model(config)
         fit_starts()
         with PeakSampler(interval) as sampler:
-            model.fit(datasets.train, steps_per_epoch=warmup + steps, epochs=1, verbose=0,
-                      callbacks=[_step_callback(keras, record)])
+            model.fit(
+                datasets.train,
+                steps_per_epoch=warmup + steps,
+                epochs=1,
+                verbose=0,
+                callbacks=[_step_callback(keras, record)],
+            )
         result["threads"] = list(threads) if threads else [0, 0]
     walls, cpus, warm = _durations(record, warmup)
     median = statistics.median(walls)
-    result.update({
-        "step_seconds": walls,
-        "median_step_seconds": median,
-        "cpu_seconds_per_step": statistics.median(cpus),
-        "warmup_seconds": warm,
-        "voxels_per_second": batch * shape[0] * shape[1] * shape[2] / median,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "rss_before_import_bytes": baseline_rss,
-        "rss_after_import_bytes": after_import_rss,
-        "sampled_peak_rss_bytes": sampler.peak_rss,
-        "anon_hugepages_at_peak_bytes": sampler.huge_at_peak,
-        "thp_share_at_peak": sampler.huge_at_peak / sampler.peak_rss if sampler.peak_rss else 0.0,
-        "onednn_env": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
-        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
-        "ld_preload": os.environ.get("LD_PRELOAD", ""),
-        "tensorflow": tf.__version__,
-    })
+    result.update(
+        {
+            "step_seconds": walls,
+            "median_step_seconds": median,
+            "cpu_seconds_per_step": statistics.median(cpus),
+            "warmup_seconds": warm,
+            "voxels_per_second": batch * shape[0] * shape[1] * shape[2] / median,
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "rss_before_import_bytes": baseline_rss,
+            "rss_after_import_bytes": after_import_rss,
+            "sampled_peak_rss_bytes": sampler.peak_rss,
+            "anon_hugepages_at_peak_bytes": sampler.huge_at_peak,
+            "thp_share_at_peak": sampler.huge_at_peak / sampler.peak_rss if sampler.peak_rss else 0.0,
+            "onednn_env": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            "ld_preload": os.environ.get("LD_PRELOAD", ""),
+            "tensorflow": tf.__version__,
+        }
+    )
     return result
 
 
@@ -280,13 +306,14 @@ def worker_conv(spec: dict) -> dict:
         data = tf.random.normal((batch, x, y, z, cin))
         kernel = tf.Variable(tf.random.normal((3, 3, 3, cin, cout)) * 0.05)
 
+        # Traced and called within this iteration: the closure's data and kernel are this shape's.
         @tf.function
         def step():
             with tf.GradientTape() as tape:
-                tape.watch(data)
-                out = tf.nn.conv3d(data, kernel, [1] * 5, "SAME")
+                tape.watch(data)  # noqa: B023
+                out = tf.nn.conv3d(data, kernel, [1] * 5, "SAME")  # noqa: B023
                 loss = tf.reduce_sum(out * out)
-            return tape.gradient(loss, [data, kernel])
+            return tape.gradient(loss, [data, kernel])  # noqa: B023
 
         step()
         times, cpu_times = [], []
@@ -297,13 +324,22 @@ def worker_conv(spec: dict) -> dict:
             times.append(time.perf_counter() - started)
             cpu_times.append(time.process_time() - cpu_started)
         flops = 3 * 2 * 27 * cin * cout * batch * x * y * z
-        rows.append({"shape": [batch, x, y, z, cin, cout], "best_seconds": min(times),
-                     "median_seconds": statistics.median(times), "gflops_best": flops / min(times) / 1e9,
-                     "gflops_median": flops / statistics.median(times) / 1e9,
-                     "gflop_per_cpu_second": flops / min(cpu_times) / 1e9})
-    return {"convolutions": rows, "best_gflops": max(row["gflops_best"] for row in rows),
-            "best_gflop_per_cpu_second": max(row["gflop_per_cpu_second"] for row in rows),
-            "onednn_env": os.environ.get("TF_ENABLE_ONEDNN_OPTS")}
+        rows.append(
+            {
+                "shape": [batch, x, y, z, cin, cout],
+                "best_seconds": min(times),
+                "median_seconds": statistics.median(times),
+                "gflops_best": flops / min(times) / 1e9,
+                "gflops_median": flops / statistics.median(times) / 1e9,
+                "gflop_per_cpu_second": flops / min(cpu_times) / 1e9,
+            }
+        )
+    return {
+        "convolutions": rows,
+        "best_gflops": max(row["gflops_best"] for row in rows),
+        "best_gflop_per_cpu_second": max(row["gflop_per_cpu_second"] for row in rows),
+        "onednn_env": os.environ.get("TF_ENABLE_ONEDNN_OPTS"),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -313,8 +349,11 @@ def worker_conv(spec: dict) -> dict:
 # Reference rows: the same plain Keras script, as a user runs it on stock TensorFlow, and with oneDNN
 # switched on the way a user who read the study would (the informed peer).
 REFERENCE_ROWS = {"stock": {}, "peer": {"TF_ENABLE_ONEDNN_OPTS": "1"}}
-ROW_LABELS = {"stock": "plain Keras, stock TF", "peer": "plain Keras + TF_ENABLE_ONEDNN_OPTS=1 (the peer)",
-              "bigmem": "bigmem-train, chosen settings"}
+ROW_LABELS = {
+    "stock": "plain Keras, stock TF",
+    "peer": "plain Keras + TF_ENABLE_ONEDNN_OPTS=1 (the peer)",
+    "bigmem": "bigmem-train, chosen settings",
+}
 LOADED = 1.5  # a ratio taken above this 1-min load average (2 cores) is flagged
 
 
@@ -353,27 +392,46 @@ def _environment(kind: str, settings: dict | None) -> tuple[dict, list[str]]:
 def run_child(spec: dict, settings: dict | None, timeout: float, extra_env: dict | None = None) -> dict:
     env, prefix = environment_for(spec.get("kind", "conv"), settings, extra_env)
     load_before = os.getloadavg()[0]
-    with tempfile.NamedTemporaryFile("r", suffix=".json") as out, \
-            tempfile.NamedTemporaryFile("r", suffix=".progress") as progress:
+    with (
+        tempfile.NamedTemporaryFile("r", suffix=".json") as out,
+        tempfile.NamedTemporaryFile("r", suffix=".progress") as progress,
+    ):
         spec = {**spec, "progress": progress.name}
-        command = [*prefix, sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec), out.name]
+        command = [
+            *prefix,
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            json.dumps(spec),
+            out.name,
+        ]
         started = time.time()
         try:
             proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             ended = time.time()
-            failed = {"error": f"timed out after {timeout:.0f} s", "process_seconds": ended - started,
-                      "load_before": load_before, "load_average": os.getloadavg()[0]}
+            failed = {
+                "error": f"timed out after {timeout:.0f} s",
+                "process_seconds": ended - started,
+                "load_before": load_before,
+                "load_average": os.getloadavg()[0],
+            }
             failed["loaded"] = max(load_before, failed["load_average"]) > LOADED
             try:  # the steps had run this long without finishing: a lower bound on the first one
-                failed["first_step_over_seconds"] = round(ended - json.loads(progress.read())["fit_started"], 1)
+                failed["first_step_over_seconds"] = round(
+                    ended - json.loads(progress.read())["fit_started"], 1
+                )
             except ValueError:
                 pass
             return failed
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout)[-2000:]
-            return {"error": f"exit {proc.returncode}: {tail}", "process_seconds": time.time() - started,
-                    "load_before": load_before, "load_average": os.getloadavg()[0]}
+            return {
+                "error": f"exit {proc.returncode}: {tail}",
+                "process_seconds": time.time() - started,
+                "load_before": load_before,
+                "load_average": os.getloadavg()[0],
+            }
         result = json.loads(Path(out.name).read_text())
     result["process_seconds"] = round(time.time() - started, 1)
     result["load_before"] = load_before
@@ -396,7 +454,9 @@ def summarize(runs: list[dict]) -> dict:
         "voxels_per_second": spread([run["voxels_per_second"] for run in ok]),
         "cpu_seconds_per_step": spread([run["cpu_seconds_per_step"] for run in ok]),
         "peak_rss_bytes": spread([run["peak_rss_bytes"] for run in ok]),
-        "activation_peak_bytes": spread([run["peak_rss_bytes"] - run["rss_after_import_bytes"] for run in ok]),
+        "activation_peak_bytes": spread(
+            [run["peak_rss_bytes"] - run["rss_after_import_bytes"] for run in ok]
+        ),
         "thp_share_at_peak": spread([run["thp_share_at_peak"] for run in ok]),
         "pipeline_seconds_per_batch": spread([run.get("pipeline_seconds_per_batch") for run in ok]),
         "load_average": spread([max(run.get("load_before", 0), run.get("load_average", 0)) for run in runs]),
@@ -408,18 +468,28 @@ def summarize(runs: list[dict]) -> dict:
 def ratios(b_runs: list[dict], a_runs: list[dict]) -> dict:
     """b/a per repetition pair (runs are interleaved), and their spread."""
     pairs = [(b, a) for b, a in zip(b_runs, a_runs) if "error" not in b and "error" not in a]
-    bounds = [b["voxels_per_second"] * a["first_step_over_seconds"] / (b_steps(b))
-              for b, a in zip(b_runs, a_runs) if "error" not in b and a.get("first_step_over_seconds")]
+    bounds = [
+        b["voxels_per_second"] * a["first_step_over_seconds"] / (b_steps(b))
+        for b, a in zip(b_runs, a_runs)
+        if "error" not in b and a.get("first_step_over_seconds")
+    ]
     return {
         "pairs": len(pairs),
         "loaded_pairs": sum(1 for b, a in pairs if b.get("loaded") or a.get("loaded")),
         # a's run did not finish its first step: b's voxels/s over a's is at least this
         "voxels_per_second_at_least": spread(bounds),
-        "bound_loaded": any(b.get("loaded") or a.get("loaded") for b, a in zip(b_runs, a_runs)
-                            if a.get("first_step_over_seconds")),
+        "bound_loaded": any(
+            b.get("loaded") or a.get("loaded")
+            for b, a in zip(b_runs, a_runs)
+            if a.get("first_step_over_seconds")
+        ),
         "voxels_per_second": spread([b["voxels_per_second"] / a["voxels_per_second"] for b, a in pairs]),
-        "median_step_seconds": spread([b["median_step_seconds"] / a["median_step_seconds"] for b, a in pairs]),
-        "cpu_seconds_per_step": spread([b["cpu_seconds_per_step"] / a["cpu_seconds_per_step"] for b, a in pairs]),
+        "median_step_seconds": spread(
+            [b["median_step_seconds"] / a["median_step_seconds"] for b, a in pairs]
+        ),
+        "cpu_seconds_per_step": spread(
+            [b["cpu_seconds_per_step"] / a["cpu_seconds_per_step"] for b, a in pairs]
+        ),
         "peak_rss_bytes": spread([b["peak_rss_bytes"] / a["peak_rss_bytes"] for b, a in pairs]),
     }
 
@@ -436,9 +506,11 @@ def log(message: str) -> None:
 def describe(run: dict) -> str:
     if "error" in run:
         return "ERROR " + run["error"].splitlines()[-1][:200]
-    return (f"step {run['median_step_seconds']:.2f} s, {run['voxels_per_second'] / 1e3:.1f} kvox/s, "
-            f"cpu {run['cpu_seconds_per_step']:.2f} s/step, peak {run['peak_rss_bytes'] / 2**20:.0f} MiB, "
-            f"THP {100 * run['thp_share_at_peak']:.0f} %, load {run['load_average']:.1f}")
+    return (
+        f"step {run['median_step_seconds']:.2f} s, {run['voxels_per_second'] / 1e3:.1f} kvox/s, "
+        f"cpu {run['cpu_seconds_per_step']:.2f} s/step, peak {run['peak_rss_bytes'] / 2**20:.0f} MiB, "
+        f"THP {100 * run['thp_share_at_peak']:.0f} %, load {run['load_average']:.1f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,26 +521,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed (tracing, first allocations)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
-    parser.add_argument("--reps", type=int, default=3, help="alternating repetitions of reference and bigmem-train")
+    parser.add_argument(
+        "--reps", type=int, default=3, help="alternating repetitions of reference and bigmem-train"
+    )
     parser.add_argument("--lever-reps", type=int, default=1)
-    parser.add_argument("--skip-baseline", action="store_true",
-                        help="levers: keep the chosen-settings run from the JSON instead of running it again")
+    parser.add_argument(
+        "--skip-baseline",
+        action="store_true",
+        help="levers: keep the chosen-settings run from the JSON instead of running it again",
+    )
     parser.add_argument("--lever-warmup", type=int, default=1)
     parser.add_argument("--lever-steps", type=int, default=2)
-    parser.add_argument("--sections", nargs="+", default=["main", "levers"],
-                        choices=["limit", "main", "levers", "report"],
-                        help="report: only rebuild the table and plot from the JSON")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        default=["main", "levers"],
+        choices=["limit", "main", "levers", "report"],
+        help="report: only rebuild the table and plot from the JSON",
+    )
     parser.add_argument("--levers", nargs="*", help="only these levers (names as in the table)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--timeout", type=float, default=900)
-    parser.add_argument("--rows", nargs="+", default=["stock", "peer", "bigmem"], choices=["stock", "peer", "bigmem"])
-    parser.add_argument("--isa", help="ONEDNN_MAX_CPU_ISA for every run (AVX2: oneDNN as on an AVX2-only CPU)")
-    parser.add_argument("--peer-timeout", type=float, help="time limit of a reference run (a bound past a cliff)")
+    parser.add_argument(
+        "--rows", nargs="+", default=["stock", "peer", "bigmem"], choices=["stock", "peer", "bigmem"]
+    )
+    parser.add_argument(
+        "--isa", help="ONEDNN_MAX_CPU_ISA for every run (AVX2: oneDNN as on an AVX2-only CPU)"
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, help="time limit of a reference run (a bound past a cliff)"
+    )
     parser.add_argument("--cases", type=int, help="synthetic cases to write (default: enough for the steps)")
     parser.add_argument("--sample-interval", type=float, default=0.5, help="peak-RSS sampler period, s")
-    parser.add_argument("--limit-per-rep", action=argparse.BooleanOptionalAction, default=True,
-                        help="measure the single-Conv3D limit in each repetition")
-    parser.add_argument("--name", default="throughput", help="results file stem (throughput -> throughput.json)")
+    parser.add_argument(
+        "--limit-per-rep",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure the single-Conv3D limit in each repetition",
+    )
+    parser.add_argument(
+        "--name", default="throughput", help="results file stem (throughput -> throughput.json)"
+    )
     parser.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -486,26 +579,44 @@ def main(argv: list[str] | None = None) -> int:
     most_steps = max(args.warmup + args.steps, args.lever_warmup + args.lever_steps)
     dataset = args.out / ("dataset-" + "x".join(map(str, args.shape)))
     if set(args.sections) - {"report"}:
-        dataset = write_synthetic_dataset(dataset, cases=args.cases or max(16, args.batch * most_steps + 4),
-                                          shape=tuple(args.shape), seed=7)
-    common = {"shape": args.shape, "batch": args.batch, "base_filters": args.base_filters, "depth": args.depth,
-              "warmup": args.warmup, "steps": args.steps, "dataset": str(dataset),
-              "sample_interval": args.sample_interval}
+        dataset = write_synthetic_dataset(
+            dataset, cases=args.cases or max(16, args.batch * most_steps + 4), shape=tuple(args.shape), seed=7
+        )
+    common = {
+        "shape": args.shape,
+        "batch": args.batch,
+        "base_filters": args.base_filters,
+        "depth": args.depth,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "dataset": str(dataset),
+        "sample_interval": args.sample_interval,
+    }
     isa_env = {"ONEDNN_MAX_CPU_ISA": args.isa} if args.isa else {}
     results_path = args.out / f"{args.name}.json"
     report: dict = json.loads(results_path.read_text()) if results_path.exists() else {}
-    report.update({
-        "command": "python benchmarks/throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "host": {"cpu": _cpu_model(), "cores": os.cpu_count(), "flags": _flags_of_interest(),
-                 "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()},
-        "workload": {key: common[key] for key in ("shape", "batch", "base_filters", "depth")},
-        "onednn_max_cpu_isa": args.isa,
-        "load_at_start": os.getloadavg(),
-        "chosen_settings": CHOSEN,
-    })
-    conv_spec = {"kind": "conv", "repeats": 3,
-                 "shapes": [[2, 32, 32, 24, 64, 64], [1, 64, 64, 64, 32, 32], [2, 64, 64, 48, 16, 16]]}
+    report.update(
+        {
+            "command": "python benchmarks/throughput.py "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "host": {
+                "cpu": _cpu_model(),
+                "cores": os.cpu_count(),
+                "flags": _flags_of_interest(),
+                "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip(),
+            },
+            "workload": {key: common[key] for key in ("shape", "batch", "base_filters", "depth")},
+            "onednn_max_cpu_isa": args.isa,
+            "load_at_start": os.getloadavg(),
+            "chosen_settings": CHOSEN,
+        }
+    )
+    conv_spec = {
+        "kind": "conv",
+        "repeats": 3,
+        "shapes": [[2, 32, 32, 24, 64, 64], [1, 64, 64, 64, 32, 32], [2, 64, 64, 48, 16, 16]],
+    }
     if "limit" in args.sections:
         limit_runs = {}
         for label, settings in (("stock", None), ("chosen", CHOSEN)):
@@ -520,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict = {name: [] for name in rows}
         for rep in range(args.reps):
             # Alternating order (rotated each repetition) so that load from other work hits every row alike.
-            order = rows[rep % len(rows):] + rows[:rep % len(rows)]
+            order = rows[rep % len(rows) :] + rows[: rep % len(rows)]
             for name in order:
                 if name == "bigmem":
                     spec = {**common, "kind": "bigmem", "settings": CHOSEN}
@@ -536,33 +647,55 @@ def main(argv: list[str] | None = None) -> int:
                 # The limit in the same repetition, under the same load: one Conv3D forward + backward.
                 run = run_child(conv_spec, CHOSEN, args.timeout, isa_env)
                 runs.setdefault("conv", []).append(run)
-                log(f"rep {rep + 1} conv limit: " + json.dumps({k: v for k, v in run.items() if k != "convolutions"}))
+                log(
+                    f"rep {rep + 1} conv limit: "
+                    + json.dumps({k: v for k, v in run.items() if k != "convolutions"})
+                )
         save_main(report, runs, args, results_path)
 
     if "levers" in args.sections:
         levers = dict(report.get("levers", {}))
         names = args.levers or list(LEVERS)
         for rep in range(args.lever_reps):
-            for name in (names if args.skip_baseline else ["bigmem-train (chosen)", *names]):
+            for name in names if args.skip_baseline else ["bigmem-train (chosen)", *names]:
                 settings = {**CHOSEN, **LEVERS.get(name, {})}
-                spec = {**common, "kind": "bigmem", "settings": settings,
-                        "warmup": args.lever_warmup, "steps": args.lever_steps}
+                spec = {
+                    **common,
+                    "kind": "bigmem",
+                    "settings": settings,
+                    "warmup": args.lever_warmup,
+                    "steps": args.lever_steps,
+                }
                 run = run_child(spec, settings, args.timeout)
                 entry = levers.setdefault(name, {"settings": settings, "runs": []})
                 if rep == 0 and entry.get("started") != report["started"]:
-                    entry.update({"runs": [], "started": report["started"], "settings": settings,
-                                  "warmup": args.lever_warmup, "steps": args.lever_steps})
+                    entry.update(
+                        {
+                            "runs": [],
+                            "started": report["started"],
+                            "settings": settings,
+                            "warmup": args.lever_warmup,
+                            "steps": args.lever_steps,
+                        }
+                    )
                 entry["runs"].append(run)
                 log(f"lever {name}: {describe(run)}")
                 entry["summary"] = summarize(entry["runs"])
                 report["levers"] = levers
-                report["levers_workload"] = {**report["workload"], "warmup": args.lever_warmup,
-                                             "steps": args.lever_steps}
+                report["levers_workload"] = {
+                    **report["workload"],
+                    "warmup": args.lever_warmup,
+                    "steps": args.lever_steps,
+                }
                 save(report, args, results_path)  # a partial run still leaves its numbers
         for entry in levers.values():
             entry["summary"] = summarize(entry["runs"])
         report["levers"] = levers
-        report["levers_workload"] = {**report["workload"], "warmup": args.lever_warmup, "steps": args.lever_steps}
+        report["levers_workload"] = {
+            **report["workload"],
+            "warmup": args.lever_warmup,
+            "steps": args.lever_steps,
+        }
 
     save(report, args, results_path)
     _print_table(report)
@@ -576,8 +709,14 @@ def main(argv: list[str] | None = None) -> int:
 def save_main(report: dict, runs: dict, args, results_path: Path) -> None:
     """The main section: every row's runs and summary, and the ratios per repetition (headline: bigmem-train
     over the peer), flagged when a run of the pair saw a load above LOADED."""
-    section = {"runs": runs, "warmup": args.warmup, "steps": args.steps, "workload": report["workload"],
-               "rows": args.rows, "ratios": {}}
+    section = {
+        "runs": runs,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "workload": report["workload"],
+        "rows": args.rows,
+        "ratios": {},
+    }
     for name in args.rows:
         section[name] = summarize(runs.get(name, []))
     for b, a in (("bigmem", "peer"), ("bigmem", "stock"), ("peer", "stock")):
@@ -589,7 +728,7 @@ def save_main(report: dict, runs: dict, args, results_path: Path) -> None:
 
 def save(report: dict, args, results_path: Path) -> None:
     """Write the JSON; sections another invocation wrote meanwhile (other --sections) are kept."""
-    report.setdefault("commands", {}).update({section: report["command"] for section in args.sections})
+    report.setdefault("commands", {}).update(dict.fromkeys(args.sections, report["command"]))
     latest = json.loads(results_path.read_text()) if results_path.exists() else {}
     for section in ("main", "levers", "levers_workload", "limit_settings"):
         mine = section.split("_")[0] in args.sections
@@ -604,17 +743,23 @@ def save(report: dict, args, results_path: Path) -> None:
 def _add_flops(report: dict, args) -> None:
     sys.path.insert(0, str(HERE))
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    def flops_of(workload):
-        return analytic_training_flops(tuple(workload["shape"]), 1, workload["base_filters"], workload["depth"],
-                                       workload["batch"])
 
-    fallback = {"shape": args.shape, "batch": args.batch, "base_filters": args.base_filters, "depth": args.depth}
+    def flops_of(workload):
+        return analytic_training_flops(
+            tuple(workload["shape"]), 1, workload["base_filters"], workload["depth"], workload["batch"]
+        )
+
+    fallback = {
+        "shape": args.shape,
+        "batch": args.batch,
+        "base_filters": args.base_filters,
+        "depth": args.depth,
+    }
     flops = flops_of(report.get("main", {}).get("workload", fallback))
     report["training_flops_per_step"] = flops
     main_section = report.get("main")
     if main_section:
         runs = main_section["runs"]
-        shares, cpu_shares, limits, cpu_limits = [], [], [], []
         for name in main_section.get("rows", []):
             summary = main_section[name]
             per_rep = []
@@ -623,21 +768,30 @@ def _add_flops(report: dict, args) -> None:
                     continue
                 achieved = flops / run["median_step_seconds"] / 1e9
                 achieved_cpu = flops / run["cpu_seconds_per_step"] / 1e9
-                per_rep.append((achieved, achieved / conv["best_gflops"],
-                                achieved_cpu / conv["best_gflop_per_cpu_second"]))
+                per_rep.append(
+                    (
+                        achieved,
+                        achieved / conv["best_gflops"],
+                        achieved_cpu / conv["best_gflop_per_cpu_second"],
+                    )
+                )
             summary["achieved_gflops"] = spread([row[0] for row in per_rep])
             summary["share_of_limit"] = spread([row[1] for row in per_rep])
             summary["share_of_limit_cpu_time"] = spread([row[2] for row in per_rep])
         conv_ok = [conv for conv in runs.get("conv", []) if "error" not in conv]
-        report["limit"] = {"best_gflops": spread([conv["best_gflops"] for conv in conv_ok]),
-                           "best_gflop_per_cpu_second": spread([conv["best_gflop_per_cpu_second"] for conv in conv_ok]),
-                           "shapes": conv_spec_shapes()}
+        report["limit"] = {
+            "best_gflops": spread([conv["best_gflops"] for conv in conv_ok]),
+            "best_gflop_per_cpu_second": spread([conv["best_gflop_per_cpu_second"] for conv in conv_ok]),
+            "shapes": conv_spec_shapes(),
+        }
     lever_flops = flops_of(report.get("levers_workload", fallback))
     for entry in report.get("levers", {}).values():
         step = entry["summary"]["median_step_seconds"]
         if step:
             entry["summary"]["achieved_gflops"] = lever_flops / step["median"] / 1e9
-            entry["summary"]["gflop_per_cpu_second"] = lever_flops / entry["summary"]["cpu_seconds_per_step"]["median"] / 1e9
+            entry["summary"]["gflop_per_cpu_second"] = (
+                lever_flops / entry["summary"]["cpu_seconds_per_step"]["median"] / 1e9
+            )
 
 
 def conv_spec_shapes() -> str:
@@ -658,54 +812,82 @@ def markdown_tables(report: dict) -> str:
     lines = []
     main_section = report.get("main")
     if main_section:
-        lines += ["| run | median step, s | kvoxels/s | CPU s/step | peak RSS, MiB | load (1 min) | GFLOP/s "
-                  "| share of conv limit (wall / CPU time) |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "| run | median step, s | kvoxels/s | CPU s/step | peak RSS, MiB | load (1 min) | GFLOP/s "
+            "| share of conv limit (wall / CPU time) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name in main_section.get("rows", []):
             s = main_section[name]
             if not s["median_step_seconds"]:
                 bound = s.get("first_step_over_seconds") or {}
-                lines.append(f"| {ROW_LABELS[name]} | > {_fmt(bound, 1, 0)} (first step unfinished) | | | | "
-                             f"{_fmt(s['load_average'], 1, 1)} | | |")
+                lines.append(
+                    f"| {ROW_LABELS[name]} | > {_fmt(bound, 1, 0)} (first step unfinished) | | | | "
+                    f"{_fmt(s['load_average'], 1, 1)} | | |"
+                )
                 continue
-            lines.append(f"| {ROW_LABELS[name]} | {_fmt(s['median_step_seconds'])} | {_fmt(s['voxels_per_second'], 1e-3, 1)} "
-                         f"| {_fmt(s['cpu_seconds_per_step'])} | {_fmt(s['peak_rss_bytes'], 2**-20, 0)} "
-                         f"| {_fmt(s['load_average'], 1, 1)} "
-                         f"| {_fmt(s.get('achieved_gflops', {}), 1, 1)} | {_fmt(s.get('share_of_limit', {}), 100, 0)} % / "
-                         f"{_fmt(s.get('share_of_limit_cpu_time', {}), 100, 0)} % |")
-        lines += ["", "| ratio (per repetition pair) | voxels/s | step time | CPU s/step | peak RSS | pairs (loaded > "
-                  f"{LOADED}) |", "|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {ROW_LABELS[name]} | {_fmt(s['median_step_seconds'])} | {_fmt(s['voxels_per_second'], 1e-3, 1)} "
+                f"| {_fmt(s['cpu_seconds_per_step'])} | {_fmt(s['peak_rss_bytes'], 2**-20, 0)} "
+                f"| {_fmt(s['load_average'], 1, 1)} "
+                f"| {_fmt(s.get('achieved_gflops', {}), 1, 1)} | {_fmt(s.get('share_of_limit', {}), 100, 0)} % / "
+                f"{_fmt(s.get('share_of_limit_cpu_time', {}), 100, 0)} % |"
+            )
+        lines += [
+            "",
+            "| ratio (per repetition pair) | voxels/s | step time | CPU s/step | peak RSS | pairs (loaded > "
+            f"{LOADED}) |",
+            "|---|---|---|---|---|---|",
+        ]
         for key, r in main_section["ratios"].items():
             voxels = _fmt(r["voxels_per_second"])
             if r.get("voxels_per_second_at_least"):
-                voxels = f">= {_fmt(r['voxels_per_second_at_least'], 1, 1)} (bound: the other run's first step unfinished)"
-            lines.append(f"| {key} | {voxels} | {_fmt(r['median_step_seconds'])} | {_fmt(r['cpu_seconds_per_step'])} "
-                         f"| {_fmt(r['peak_rss_bytes'])} | {r['pairs']} ({r['loaded_pairs']} loaded) |")
+                bound = _fmt(r["voxels_per_second_at_least"], 1, 1)
+                voxels = f">= {bound} (bound: the other run's first step unfinished)"
+            lines.append(
+                f"| {key} | {voxels} | {_fmt(r['median_step_seconds'])} | {_fmt(r['cpu_seconds_per_step'])} "
+                f"| {_fmt(r['peak_rss_bytes'])} | {r['pairs']} ({r['loaded_pairs']} loaded) |"
+            )
         limit = report.get("limit", {})
         if limit.get("best_gflops"):
             lines.append("")
-            lines.append(f"Conv limit (single 3x3x3 Conv3D forward + input and filter gradients, best shape, "
-                         f"measured in each repetition): {_fmt(limit['best_gflops'], 1, 1)} GFLOP/s wall, "
-                         f"{_fmt(limit['best_gflop_per_cpu_second'], 1, 1)} GFLOP per CPU-second. "
-                         f"Training step: {report['training_flops_per_step'] / 1e9:.1f} GFLOP (analytic, convolutions).")
+            lines.append(
+                f"Conv limit (single 3x3x3 Conv3D forward + input and filter gradients, best shape, "
+                f"measured in each repetition): {_fmt(limit['best_gflops'], 1, 1)} GFLOP/s wall, "
+                f"{_fmt(limit['best_gflop_per_cpu_second'], 1, 1)} GFLOP per CPU-second. "
+                f"Training step: {report['training_flops_per_step'] / 1e9:.1f} GFLOP (analytic, convolutions)."
+            )
     levers = report.get("levers")
     if levers:
         base = levers.get("bigmem-train (chosen)", {}).get("summary", {})
-        lines += ["", "| lever (one change from the chosen settings) | median step, s | CPU s/step | CPU vs chosen "
-                  "| peak RSS, MiB | peak vs chosen | THP share | note |", "|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| lever (one change from the chosen settings) | median step, s | CPU s/step | CPU vs chosen "
+            "| peak RSS, MiB | peak vs chosen | THP share | note |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for name, entry in levers.items():
             s = entry["summary"]
             if not s["median_step_seconds"]:
                 lines.append(f"| {name} | - | - | - | - | - | - | {'; '.join(s['errors'])[:80]} |")
                 continue
-            cpu_ratio = (s["cpu_seconds_per_step"]["median"] / base["cpu_seconds_per_step"]["median"]
-                         if base.get("cpu_seconds_per_step") else None)
-            peak_ratio = (s["peak_rss_bytes"]["median"] / base["peak_rss_bytes"]["median"]
-                          if base.get("peak_rss_bytes") else None)
+            cpu_ratio = (
+                s["cpu_seconds_per_step"]["median"] / base["cpu_seconds_per_step"]["median"]
+                if base.get("cpu_seconds_per_step")
+                else None
+            )
+            peak_ratio = (
+                s["peak_rss_bytes"]["median"] / base["peak_rss_bytes"]["median"]
+                if base.get("peak_rss_bytes")
+                else None
+            )
             pipeline = s.get("pipeline_seconds_per_batch") or {}
             note = f"input pipeline {pipeline['median']:.2f} s/batch" if pipeline else ""
-            lines.append(f"| {name} | {_fmt(s['median_step_seconds'])} | {_fmt(s['cpu_seconds_per_step'])} | "
-                         f"{'%.2fx' % cpu_ratio if cpu_ratio else '-'} | {_fmt(s['peak_rss_bytes'], 2**-20, 0)} | "
-                         f"{'%.2fx' % peak_ratio if peak_ratio else '-'} | {_fmt(s['thp_share_at_peak'], 100, 0)} % | {note} |")
+            lines.append(
+                f"| {name} | {_fmt(s['median_step_seconds'])} | {_fmt(s['cpu_seconds_per_step'])} | "
+                f"{f'{cpu_ratio:.2f}x' if cpu_ratio else '-'} | {_fmt(s['peak_rss_bytes'], 2**-20, 0)} | "
+                f"{f'{peak_ratio:.2f}x' if peak_ratio else '-'} | {_fmt(s['thp_share_at_peak'], 100, 0)} % | {note} |"
+            )
     return "\n".join(lines)
 
 
@@ -747,13 +929,18 @@ def _plot(report: dict, path: Path) -> None:
     left.barh(positions, steps, xerr=errors, color=["#3a7" if "bigmem" in name else "#999" for name in names])
     left.set_yticks(list(positions), names)
     left.invert_yaxis()
-    left.set_xlabel("process CPU seconds per training step (bars: min-max over repetitions)\nwall-clock times and load: see the table")
+    left.set_xlabel(
+        "process CPU seconds per training step (bars: min-max over repetitions)\n"
+        "wall-clock times and load: see the table"
+    )
     right.barh(positions, peaks, color="#58c")
     right.set_xlabel("peak resident memory, MiB")
     workload = report["workload"]
     isa = f", ONEDNN_MAX_CPU_ISA={report['onednn_max_cpu_isa']}" if report.get("onednn_max_cpu_isa") else ""
-    fig.suptitle(f"3D U-Net {workload['shape']} x batch {workload['batch']}, {workload['base_filters']} filters, "
-                 f"depth {workload['depth']} on {report['host']['cpu']} ({report['host']['cores']} cores{isa})")
+    fig.suptitle(
+        f"3D U-Net {workload['shape']} x batch {workload['batch']}, {workload['base_filters']} filters, "
+        f"depth {workload['depth']} on {report['host']['cpu']} ({report['host']['cores']} cores{isa})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -769,7 +956,9 @@ def _flags_of_interest() -> list[str]:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("flags"):
             flags = set(line.split(":", 1)[1].split())
-            return sorted(flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"})
+            return sorted(
+                flags & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni"}
+            )
     return []
 
 

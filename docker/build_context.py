@@ -23,8 +23,17 @@ from pathlib import Path
 
 # What docker/Dockerfile copies (the files .dockerignore lets through), the base image's script, and
 # this script (so a copy of the context can hash and pack itself).
-CONTEXT_PATHS = ("pyproject.toml", "README.md", "src", "templates", ".dockerignore", "docker/Dockerfile",
-                 "docker/requirements.lock", "docker/build-base-image.sh", "docker/build_context.py")
+CONTEXT_PATHS = (
+    "pyproject.toml",
+    "README.md",
+    "src",
+    "templates",
+    ".dockerignore",
+    "docker/Dockerfile",
+    "docker/requirements.lock",
+    "docker/build-base-image.sh",
+    "docker/build_context.py",
+)
 # Sent with the context when present but not hashed: the wheelhouse holds exactly the wheels whose
 # hashes docker/requirements.lock pins (pip installs with --require-hashes), so the lock stands for it.
 PACKED_ONLY = (".whl",)
@@ -32,7 +41,9 @@ SKIP_DIRS = {"__pycache__", ".pytest_cache", ".mypy_cache", ".git"}
 SKIP_SUFFIXES = (".pyc", ".pyo")
 
 
-def context_files(root: Path, paths: tuple[str, ...] = CONTEXT_PATHS, optional: tuple[str, ...] = ()) -> list[Path]:
+def context_files(
+    root: Path, paths: tuple[str, ...] = CONTEXT_PATHS, optional: tuple[str, ...] = ()
+) -> list[Path]:
     """The files under PATHS (a missing one is an error) and OPTIONAL (a missing one is skipped), sorted."""
     files: set[Path] = set()
     for name in paths + optional:
@@ -77,7 +88,10 @@ def write_tar(root: Path, files: list[Path], out: Path) -> None:
     # A private partial file: several hosts of one play may pack the same context at the same time.
     handle, partial = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".partial")
     try:
-        with os.fdopen(handle, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        with (
+            os.fdopen(handle, "wb") as raw,
+            tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar,
+        ):
             for relative in files:
                 tar.add(root / relative, arcname=str(relative), recursive=False, filter=normalize)
         os.chmod(partial, 0o644)

@@ -32,8 +32,11 @@ def bigmem_run_ending(run_dir, oom_killed=None, exit_code=None):
     """How a fetched run directory's job ended when it left no verdict, in the kit's words
     (``bigmem_train.postmortem``): "killed by the out-of-memory killer at about X GiB (planned Y GiB)" when
     the container's OOMKilled flag (or the OOM counters recorded in state.json) says so."""
-    return postmortem.describe_fetched(Path(str(run_dir)), None if oom_killed is None else bool(oom_killed),
-                                       None if exit_code in (None, "") else int(exit_code))
+    return postmortem.describe_fetched(
+        Path(str(run_dir)),
+        None if oom_killed is None else bool(oom_killed),
+        None if exit_code in (None, "") else int(exit_code),
+    )
 
 
 def bigmem_gib(num_bytes):
@@ -60,15 +63,22 @@ def bigmem_changed_items(wanted, current):
 
 def bigmem_member_uris(collection):
     """The ``@odata.id`` of each member of a Redfish collection (``map(attribute=...)`` reads the dot as a path)."""
-    return [member.get("@odata.id") for member in (collection or {}).get("Members") or [] if member.get("@odata.id")]
+    return [
+        member.get("@odata.id")
+        for member in (collection or {}).get("Members") or []
+        if member.get("@odata.id")
+    ]
 
 
 def bigmem_reduced_memory_modes(current, modes, mirroring="None"):
     """``Attribute=Value`` for each BIOS attribute in ``current`` set to a mode of ``modes`` (attribute -> the
     values that leave the OS less than the installed memory), plus the BMC's ``MemorySummary.MemoryMirroring``
     when it is not None."""
-    found = [f"{key}={current[key]}" for key, values in (modes or {}).items()
-             if key in (current or {}) and any(_same(current[key], value) for value in values or [])]
+    found = [
+        f"{key}={current[key]}"
+        for key, values in (modes or {}).items()
+        if key in (current or {}) and any(_same(current[key], value) for value in values or [])
+    ]
     if mirroring not in (None, "", "None"):
         found.append(f"MemorySummary.MemoryMirroring={mirroring}")
     return found
@@ -88,8 +98,12 @@ def _holds(terms, values):
             except (TypeError, ValueError):
                 holds = False
             else:
-                holds = {"GTR": number > limit, "GEQ": number >= limit, "LSS": number < limit,
-                         "LEQ": number <= limit}.get(condition, False)
+                holds = {
+                    "GTR": number > limit,
+                    "GEQ": number >= limit,
+                    "LSS": number < limit,
+                    "LEQ": number <= limit,
+                }.get(condition, False)
         if result is None:
             result = holds
         elif term.get("MapTerms", "AND") == "OR":
@@ -100,15 +114,20 @@ def _holds(terms, values):
 
 
 def _read_only_rules(name, dependencies):
-    return [dependency.get("Dependency", {}) for dependency in dependencies or []
-            if dependency.get("Type", "Map") == "Map"
-            and dependency.get("Dependency", {}).get("MapToAttribute") == name
-            and dependency.get("Dependency", {}).get("MapToProperty") == "ReadOnly"]
+    return [
+        dependency.get("Dependency", {})
+        for dependency in dependencies or []
+        if dependency.get("Type", "Map") == "Map"
+        and dependency.get("Dependency", {}).get("MapToAttribute") == name
+        and dependency.get("Dependency", {}).get("MapToProperty") == "ReadOnly"
+    ]
 
 
 def _describe(rule):
-    return " and ".join(f"{term.get('MapFromAttribute')} {term.get('MapFromCondition', 'EQU')} {term.get('MapFromValue')}"
-                        for term in rule.get("MapFrom") or [])
+    return " and ".join(
+        f"{term.get('MapFromAttribute')} {term.get('MapFromCondition', 'EQU')} {term.get('MapFromValue')}"
+        for term in rule.get("MapFrom") or []
+    )
 
 
 def bigmem_registry_errors(wanted, registry, dependencies=None, current=None):
@@ -132,9 +151,13 @@ def bigmem_registry_errors(wanted, registry, dependencies=None, current=None):
         if key not in current or not _same(value, current[key]):
             rules = _read_only_rules(key, dependencies)
             if rules:
-                locked = [rule for rule in rules if rule.get("MapToValue") and _holds(rule.get("MapFrom"), after)]
+                locked = [
+                    rule for rule in rules if rule.get("MapToValue") and _holds(rule.get("MapFrom"), after)
+                ]
                 if locked:
-                    errors.append(f"{key} is read-only while {_describe(locked[0])}: set that in the profile too")
+                    errors.append(
+                        f"{key} is read-only while {_describe(locked[0])}: set that in the profile too"
+                    )
             elif entry.get("ReadOnly") or entry.get("Immutable"):
                 errors.append(f"{key} is read-only on this BMC")
         allowed = [choice.get("ValueName") for choice in entry.get("Value") or []]
@@ -162,23 +185,35 @@ def bigmem_bios_plan(wanted, current, settings=None, dependencies=None, replace_
     current = current or {}
     pending = bigmem_changed_items(settings or {}, current)
     changes = bigmem_changed_items(wanted, current)
-    first = {term.get("MapFromAttribute") for dependency in dependencies or []
-             for term in dependency.get("Dependency", {}).get("MapFrom") or []}
+    first = {
+        term.get("MapFromAttribute")
+        for dependency in dependencies or []
+        for term in dependency.get("Dependency", {}).get("MapFrom") or []
+    }
     changes = dict(sorted(changes.items(), key=lambda item: item[0] not in first))
     effective = {**current, **pending}
     outstanding = bigmem_changed_items(wanted, effective)
-    foreign = {key: value for key, value in pending.items() if key not in wanted or not _same(value, wanted[key])}
+    foreign = {
+        key: value for key, value in pending.items() if key not in wanted or not _same(value, wanted[key])
+    }
     conflict = bool(pending) and bool(foreign or outstanding)
     clear = conflict and bool(replace_pending)
     stage = changes if (not pending or clear) else {}
     keys = [key for key in current if key in wanted or key in pending]
     after_run = {**current, **pending} if (pending and not clear) else {**current, **stage}
     return {
-        "pending": pending, "changes": changes, "foreign": foreign, "outstanding": outstanding,
-        "conflict": conflict, "clear_first": clear, "stage": stage,
+        "pending": pending,
+        "changes": changes,
+        "foreign": foreign,
+        "outstanding": outstanding,
+        "conflict": conflict,
+        "clear_first": clear,
+        "stage": stage,
         "already_pending": bool(pending) and not conflict,
         "before": {key: effective[key] for key in keys},
-        "after": {key: after_run[key] for key in keys} if not (conflict and not clear) else {key: effective[key] for key in keys},
+        "after": {key: after_run[key] for key in keys}
+        if not (conflict and not clear)
+        else {key: effective[key] for key in keys},
     }
 
 

@@ -327,10 +327,12 @@ class StrictLoader(yaml.SafeLoader):
 
 def load_yaml(text: str) -> Any:
     """Parse YAML with :class:`StrictLoader` (safe, duplicate keys refused)."""
-    return yaml.load(text, Loader=StrictLoader)  # noqa: S506 - StrictLoader is a SafeLoader
+    return yaml.load(text, Loader=StrictLoader)
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+) -> Config:
     """Load a YAML config (the built-in default preset when ``path`` is None), apply dotted overrides.
 
     ``path`` may also name a preset: ``default`` or ``study``.

@@ -71,7 +71,9 @@ def gemm_backward_weights_scratchpad_bytes(geometry: ConvGeometry, threads: int 
     weights_bytes = 4 * geometry.out_channels * geometry.in_channels * kernel_volume
     reduction = 4 * weights_bytes  # scratchpad.book<float>(key_conv_wei_reduction, nthr * weights_d.size())
     transposed_input = geometry.in_channels * math.prod(geometry.spatial) * size
-    return sum(threads * part + ONEDNN_BOOKING_ALIGNMENT for part in (im2col, reduction, transposed_input) if part)
+    return sum(
+        threads * part + ONEDNN_BOOKING_ALIGNMENT for part in (im2col, reduction, transposed_input) if part
+    )
 
 
 def gemm_backward_weights_threads(geometry: ConvGeometry, batch: int, threads: int) -> int:
@@ -96,7 +98,8 @@ def gemm_backward_weights_fits(geometry: ConvGeometry, batch: int = 1, threads: 
     """Whether oneDNN's gemm backward-weights kernel accepts this convolution (else: ``ref:any``)."""
     nthr = gemm_backward_weights_threads(geometry, batch, threads)
     return gemm_backward_weights_scratchpad_bytes(geometry, nthr) <= gemm_backward_weights_limit(
-        geometry, batch, threads)
+        geometry, batch, threads
+    )
 
 
 def _halo(kernel_depth: int, padding: str) -> tuple[int, int]:
@@ -111,8 +114,14 @@ def slab_geometry(geometry: ConvGeometry, chunk: int) -> ConvGeometry:
     """The convolution one depth chunk of ``chunk`` output planes runs (its input slab has the halo)."""
     front, back = _halo(geometry.kernel[0], geometry.padding)
     depth, height, width = geometry.spatial
-    return ConvGeometry((min(depth, chunk + front + back), height, width), geometry.in_channels,
-                        geometry.out_channels, geometry.kernel, geometry.padding, geometry.dtype_bytes)
+    return ConvGeometry(
+        (min(depth, chunk + front + back), height, width),
+        geometry.in_channels,
+        geometry.out_channels,
+        geometry.kernel,
+        geometry.padding,
+        geometry.dtype_bytes,
+    )
 
 
 def plan_depth_chunk(geometry: ConvGeometry, limit_bytes: int | None = None) -> int | None:
@@ -130,7 +139,8 @@ def plan_depth_chunk(geometry: ConvGeometry, limit_bytes: int | None = None) -> 
     raise ValueError(
         f"a Conv3D on {geometry.spatial} x {geometry.in_channels} channels needs "
         f"{gemm_backward_weights_scratchpad_bytes(slab_geometry(geometry, 1))} bytes of oneDNN scratchpad "
-        f"even for one output plane (limit {limit}): split it in height or width instead")
+        f"even for one output plane (limit {limit}): split it in height or width instead"
+    )
 
 
 def chunked_filter_gradient(inputs, output_gradient, kernel_shape, padding: str, chunk: int):
@@ -155,12 +165,18 @@ def chunked_filter_gradient(inputs, output_gradient, kernel_shape, padding: str,
         lead = start - low  # slab position of output plane `start`
         # One chunk at a time: its slab copy and kernel run after the previous chunk's sum.
         with tf.control_dependencies([] if gradient is None else [gradient]):
-            x_slab = inputs[:, low:low + slab]
-            dy_slab = tf.pad(output_gradient[:, start:stop],
-                             [[0, 0], [lead, slab_out - lead - (stop - start)], [0, 0], [0, 0], [0, 0]])
-            part = tf.raw_ops.Conv3DBackpropFilterV2(input=x_slab, filter_sizes=kernel_shape,
-                                                     out_backprop=dy_slab, strides=[1] * 5,
-                                                     padding=tf_padding)
+            x_slab = inputs[:, low : low + slab]
+            dy_slab = tf.pad(
+                output_gradient[:, start:stop],
+                [[0, 0], [lead, slab_out - lead - (stop - start)], [0, 0], [0, 0], [0, 0]],
+            )
+            part = tf.raw_ops.Conv3DBackpropFilterV2(
+                input=x_slab,
+                filter_sizes=kernel_shape,
+                out_backprop=dy_slab,
+                strides=[1] * 5,
+                padding=tf_padding,
+            )
         gradient = part if gradient is None else gradient + part
     return gradient
 
@@ -179,8 +195,9 @@ def chunked_conv3d(inputs, kernel, padding: str, chunk: int | None):
     @tf.custom_gradient
     def convolve(x, w):
         def gradient(dy):
-            dx = tf.raw_ops.Conv3DBackpropInputV2(input_sizes=tf.shape(x), filter=w, out_backprop=dy,
-                                                  strides=[1] * 5, padding=tf_padding)
+            dx = tf.raw_ops.Conv3DBackpropInputV2(
+                input_sizes=tf.shape(x), filter=w, out_backprop=dy, strides=[1] * 5, padding=tf_padding
+            )
             dw = chunked_filter_gradient(x, dy, kernel_shape, padding, chunk)
             return dx, dw
 
@@ -202,17 +219,28 @@ class ChunkedConv3D(layers.Conv3D):
 
     def __init__(self, *args, scratchpad_limit_bytes: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
-        if (any(s != 1 for s in self.strides) or any(d != 1 for d in self.dilation_rate)
-                or self.groups != 1 or self.data_format != "channels_last"):
-            raise ValueError(f"{self.name}: ChunkedConv3D supports stride 1, dilation 1, one group and "
-                             "channels_last only")
+        if (
+            any(s != 1 for s in self.strides)
+            or any(d != 1 for d in self.dilation_rate)
+            or self.groups != 1
+            or self.data_format != "channels_last"
+        ):
+            raise ValueError(
+                f"{self.name}: ChunkedConv3D supports stride 1, dilation 1, one group and channels_last only"
+            )
         self.scratchpad_limit_bytes = scratchpad_limit_bytes
 
     def geometry(self, input_shape) -> ConvGeometry:
         """This layer's convolution, per sample, at ``input_shape`` (batch, D, H, W, C)."""
         dtype_bytes = 2 if self.compute_dtype in ("bfloat16", "float16") else 4
-        return ConvGeometry(tuple(int(edge) for edge in input_shape[1:4]), int(input_shape[-1]),
-                            self.filters, tuple(self.kernel_size), self.padding, dtype_bytes)
+        return ConvGeometry(
+            tuple(int(edge) for edge in input_shape[1:4]),
+            int(input_shape[-1]),
+            self.filters,
+            tuple(self.kernel_size),
+            self.padding,
+            dtype_bytes,
+        )
 
     def depth_chunk(self, input_shape) -> int | None:
         """Output planes per filter-gradient chunk at ``input_shape``; None: unchunked."""
@@ -239,8 +267,14 @@ def conv3d_for(input_shape, filters: int, kernel_size=3, padding: str = "same", 
     policy = keras.mixed_precision.global_policy()
     compute_dtype = kwargs.get("dtype") or policy.compute_dtype
     kernel = (kernel_size,) * 3 if isinstance(kernel_size, int) else tuple(kernel_size)
-    geometry = ConvGeometry(tuple(int(edge) for edge in input_shape[1:4]), int(input_shape[-1]), filters, kernel,
-                            padding, 2 if compute_dtype in ("bfloat16", "float16") else 4)
+    geometry = ConvGeometry(
+        tuple(int(edge) for edge in input_shape[1:4]),
+        int(input_shape[-1]),
+        filters,
+        kernel,
+        padding,
+        2 if compute_dtype in ("bfloat16", "float16") else 4,
+    )
     try:
         chunk = plan_depth_chunk(geometry)
     except ValueError:

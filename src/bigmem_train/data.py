@@ -96,8 +96,10 @@ def _geometry(path: Path, image: nib.Nifti1Image) -> tuple[tuple[int, int, int],
     elif len(shape) == 5 and shape[3] == 1:
         spatial, channels = shape[:3], shape[4]
     else:
-        raise BadInput(f"{path}: image is {len(shape)}D {list(shape)}; expected 3D (X,Y,Z), 4D (X,Y,Z,channels) "
-                       f"or 5D (X,Y,Z,1,channels)")
+        raise BadInput(
+            f"{path}: image is {len(shape)}D {list(shape)}; expected 3D (X,Y,Z), 4D (X,Y,Z,channels) "
+            f"or 5D (X,Y,Z,1,channels)"
+        )
     if min(shape) < 1:
         raise BadInput(f"{path}: image shape {list(shape)} has an empty axis")
     return spatial, channels
@@ -134,14 +136,17 @@ def read_index(dataset_dir: Path) -> list[Case]:
     except (OSError, UnicodeDecodeError) as error:
         raise BadInput(f"{index_path}: cannot be read ({error})") from None
     if not isinstance(index, dict) or not isinstance(index.get("training"), list):
-        raise BadInput(f"{index_path}: no 'training' list of {{\"image\": ..., \"label\": ...}} entries")
+        raise BadInput(f'{index_path}: no \'training\' list of {{"image": ..., "label": ...}} entries')
     if not index["training"]:
         raise BadInput(f"{index_path}: the 'training' list is empty")
 
     cases = []
     for position, entry in enumerate(index["training"]):
-        if not (isinstance(entry, dict) and isinstance(entry.get("image"), str)
-                and isinstance(entry.get("label"), str)):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("image"), str)
+            and isinstance(entry.get("label"), str)
+        ):
             raise BadInput(f"{index_path}: training[{position}] needs 'image' and 'label' paths")
         image_path, label_path = dataset_dir / entry["image"], dataset_dir / entry["label"]
         for path in (image_path, label_path):
@@ -170,7 +175,7 @@ def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
         carry = b""
         buffer = bytearray(_STREAM_CHUNK_BYTES)
         try:
-            with (gzip.open(path, "rb") if compressed else open(path, "rb")) as stream:
+            with gzip.open(path, "rb") if compressed else open(path, "rb") as stream:
                 while read := stream.readinto(buffer):
                     if scan_values:
                         start, end = max(offset - total, 0), min(expected - total, read)
@@ -182,10 +187,14 @@ def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
                             carry = piece[whole:]
                     total += read
         except (EOFError, OSError, zlib.error) as error:
-            raise BadInput(f"{path}: corrupt or truncated {'gzip stream' if compressed else 'file'} ({error})") from None
+            raise BadInput(
+                f"{path}: corrupt or truncated {'gzip stream' if compressed else 'file'} ({error})"
+            ) from None
         if total >= expected and nonfinite:
-            raise BadInput(f"{path}: {nonfinite} of {data_bytes // dtype.itemsize} voxel values are NaN or infinite; "
-                           f"replace them (e.g. with 0, the background) before training")
+            raise BadInput(
+                f"{path}: {nonfinite} of {data_bytes // dtype.itemsize} voxel values are NaN or infinite; "
+                f"replace them (e.g. with 0, the background) before training"
+            )
     if total < expected:
         raise BadInput(f"{path}: truncated: {total} bytes of data, the header needs {expected}")
 
@@ -202,22 +211,30 @@ def _check_case(case: Case, config: Config) -> None:
     if len(label_shape) != 3:
         raise BadInput(f"{case.label}: label is {len(label_shape)}D {list(label_shape)}; expected 3D (X,Y,Z)")
     if label_shape != case.shape:
-        raise BadInput(f"{case.label}: label shape {list(label_shape)} differs from the image's spatial shape "
-                       f"{list(case.shape)} ({case.image})")
+        raise BadInput(
+            f"{case.label}: label shape {list(label_shape)} differs from the image's spatial shape "
+            f"{list(case.shape)} ({case.image})"
+        )
     image_orientation, label_orientation = _orientation(image), _orientation(label)
     if image_orientation and label_orientation and image_orientation != label_orientation:
-        raise BadInput(f"{case.label}: voxel axes are oriented {label_orientation} but the image's are "
-                       f"{image_orientation} ({case.image}); resample the label onto the image's grid")
+        raise BadInput(
+            f"{case.label}: voxel axes are oriented {label_orientation} but the image's are "
+            f"{image_orientation} ({case.image}); resample the label onto the image's grid"
+        )
     channels = config.data.channels
     if channels == "all":
         if case.channels != config.num_channels:
-            raise BadInput(f"{case.image}: has {case.channels} channel(s) but data.channels 'all' means "
-                           f"{config.num_channels}; list the channels to use instead")
+            raise BadInput(
+                f"{case.image}: has {case.channels} channel(s) but data.channels 'all' means "
+                f"{config.num_channels}; list the channels to use instead"
+            )
     else:
         missing = [index for index in channels if index >= case.channels]
         if missing:
-            raise BadInput(f"{case.image}: has {case.channels} channel(s) (indices 0..{case.channels - 1}); "
-                           f"data.channels asks for {missing}")
+            raise BadInput(
+                f"{case.image}: has {case.channels} channel(s) (indices 0..{case.channels - 1}); "
+                f"data.channels asks for {missing}"
+            )
     _check_complete(case.image, image)
     _check_complete(case.label, label)
     try:
@@ -234,8 +251,10 @@ def _check_label_values(path: Path, values: np.ndarray, config: Config) -> None:
         raise BadInput(f"{path}: label values must be non-negative integers")
     classes = config.model.output_classes
     if config.data.label_mode == "multiclass" and values.size and values.max() >= classes:
-        raise BadInput(f"{path}: label value {int(values.max())} is not a class of model.output_classes = "
-                       f"{classes} (0..{classes - 1})")
+        raise BadInput(
+            f"{path}: label value {int(values.max())} is not a class of model.output_classes = "
+            f"{classes} (0..{classes - 1})"
+        )
 
 
 def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]:
@@ -260,9 +279,14 @@ def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]
                 raise
             now = time.monotonic()
             # A line every few seconds while it takes long (full-size volumes), and the total at the end.
-            if now - last_line >= _PROGRESS_SECONDS or (done == len(cases) and now - started >= _PROGRESS_SECONDS):
-                print(f"checking dataset: {done}/{len(cases)} cases ({now - started:.0f} s)", file=sys.stderr,
-                      flush=True)
+            if now - last_line >= _PROGRESS_SECONDS or (
+                done == len(cases) and now - started >= _PROGRESS_SECONDS
+            ):
+                print(
+                    f"checking dataset: {done}/{len(cases)} cases ({now - started:.0f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 last_line = now
     return cases
 
@@ -275,7 +299,9 @@ def check_dataset_folder(config: Config) -> None:
     if not folder.is_dir():
         raise BadInput(f"dataset folder {config.data.path} does not exist")
     if not (folder / "dataset.json").is_file():
-        raise BadInput(f"dataset folder {config.data.path} has no dataset.json (expected the Decathlon layout)")
+        raise BadInput(
+            f"dataset folder {config.data.path} has no dataset.json (expected the Decathlon layout)"
+        )
 
 
 def training_split(config: Config, workers: int = 1) -> tuple[list[Case], list[Case]]:
@@ -295,11 +321,15 @@ def split_cases(cases: list[Case], validation_fraction: float, seed: int) -> tup
     validation_count = min(len(cases) - 1, max(1, round(len(cases) * validation_fraction)))
     order = np.random.default_rng(seed).permutation(len(cases))
     validation = {int(index) for index in order[:validation_count]}
-    return ([case for index, case in enumerate(cases) if index not in validation],
-            [case for index, case in enumerate(cases) if index in validation])
+    return (
+        [case for index, case in enumerate(cases) if index not in validation],
+        [case for index, case in enumerate(cases) if index in validation],
+    )
 
 
-def balance_split(train: list[Case], validation: list[Case], global_batch: int) -> tuple[list[Case], list[Case]]:
+def balance_split(
+    train: list[Case], validation: list[Case], global_batch: int
+) -> tuple[list[Case], list[Case]]:
     """Move cases between the sets so the validation set is whole global batches (multi-worker).
 
     MultiWorkerMirroredStrategy splits every validation batch across the workers, and a partial last
@@ -327,7 +357,9 @@ def balance_split(train: list[Case], validation: list[Case], global_batch: int) 
     return train + validation[-surplus:], validation[:-surplus]
 
 
-def _placement(source: int, target: int, jitter: int, rng: np.random.Generator | None) -> tuple[int, int, int]:
+def _placement(
+    source: int, target: int, jitter: int, rng: np.random.Generator | None
+) -> tuple[int, int, int]:
     """(start in the volume, start in the output, length) along one axis: centred, shifted by jitter.
 
     A volume longer than the target is cropped; a shorter one is padded (placed inside the output).
@@ -343,8 +375,9 @@ def _channel_selection(config: Config, channels: int) -> list[int]:
     return list(range(channels)) if config.data.channels == "all" else list(config.data.channels)
 
 
-def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = None,
-                 normalize: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def prepare_case(
+    case: Case, config: Config, rng: np.random.Generator | None = None, normalize: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Load one case as ((X, Y, Z, C) float32 image, (X, Y, Z, 1) float32 label) at ``data.input_shape``.
 
     ``rng`` given (training): the crop is shifted by up to ``data.crop_jitter`` voxels per axis and,
@@ -353,8 +386,9 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
     ``normalize`` False skips the z-score (the scaled values as stored, for tests and inspection).
     """
     target = config.data.input_shape
-    placements = [_placement(source, edge, config.data.crop_jitter, rng)
-                  for source, edge in zip(case.shape, target)]
+    placements = [
+        _placement(source, edge, config.data.crop_jitter, rng) for source, edge in zip(case.shape, target)
+    ]
     source_slices = tuple(slice(start, start + length) for start, _, length in placements)
     output_slices = tuple(slice(start, start + length) for _, start, length in placements)
     selection = _channel_selection(config, case.channels)
@@ -367,12 +401,15 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
             # One read covering the wanted channels: a .nii.gz decompresses only up to the last of them.
             first, last = min(selection), max(selection)
             volume = np.asanyarray(
-                image_file.dataobj[(*source_slices, *_leading_index(image_file), slice(first, last + 1))])
+                image_file.dataobj[(*source_slices, *_leading_index(image_file), slice(first, last + 1))]
+            )
             selection = [index - first for index in selection]
     except _READ_ERRORS as error:
         raise BadInput(f"{case.image}: cannot be read ({error})") from None
     if volume.dtype.kind == "f" and not np.isfinite(volume).all():
-        raise BadInput(f"{case.image}: holds NaN or infinite values; replace them (e.g. with 0) before training")
+        raise BadInput(
+            f"{case.image}: holds NaN or infinite values; replace them (e.g. with 0) before training"
+        )
     if volume.shape[-1] <= max(selection):
         raise BadInput(f"{case.image}: has too few channels for data.channels {config.data.channels}")
     image = np.zeros((*target, len(selection)), dtype=np.float32)
@@ -390,15 +427,18 @@ def prepare_case(case: Case, config: Config, rng: np.random.Generator | None = N
     except _READ_ERRORS as error:
         raise BadInput(f"{case.label}: cannot be read ({error})") from None
     if values.shape != tuple(length for _, _, length in placements):
-        raise BadInput(f"{case.label}: label shape {list(label_file.shape)} differs from the image's "
-                       f"{list(case.shape)}")
+        raise BadInput(
+            f"{case.label}: label shape {list(label_file.shape)} differs from the image's {list(case.shape)}"
+        )
     label = np.zeros((*target, 1), dtype=np.float32)
     if config.data.label_mode == "binary":
         label[(*output_slices, 0)] = values > 0
     else:
         if values.size and (values.min() < 0 or values.max() >= config.model.output_classes):
-            raise BadInput(f"{case.label}: label values {int(values.min())}..{int(values.max())} are not classes "
-                           f"0..{config.model.output_classes - 1}")
+            raise BadInput(
+                f"{case.label}: label values {int(values.min())}..{int(values.max())} are not classes "
+                f"0..{config.model.output_classes - 1}"
+            )
         label[(*output_slices, 0)] = values
 
     if rng is not None and config.data.augment_flips:
@@ -440,8 +480,9 @@ def bad_input_from(error: BaseException) -> BadInput | None:
     return BadInput(text.split(marker, 1)[1].splitlines()[0].strip())
 
 
-def make_datasets(config: Config, train_cases: list[Case], validation_cases: list[Case],
-                  workers: int = 1) -> Datasets:
+def make_datasets(
+    config: Config, train_cases: list[Case], validation_cases: list[Case], workers: int = 1
+) -> Datasets:
     """Build the training and validation ``tf.data`` pipelines and their steps per epoch.
 
     Training: indices shuffled each epoch (seeded by ``training.seed``), repeated forever, loaded by a

@@ -54,9 +54,15 @@ def parse_tf_config(text: str) -> WorkerCluster:
         raw = json.loads(text)
     except json.JSONDecodeError as error:
         raise BadInput(f"{TF_CONFIG_ENV} is not valid JSON ({error.msg} at char {error.pos})") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("cluster"), dict) or not isinstance(raw.get("task"), dict):
-        raise BadInput(f'{TF_CONFIG_ENV} needs "cluster" and "task" objects, e.g. '
-                       '{"cluster": {"worker": ["a:12345", "b:12345"]}, "task": {"type": "worker", "index": 0}}')
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("cluster"), dict)
+        or not isinstance(raw.get("task"), dict)
+    ):
+        raise BadInput(
+            f'{TF_CONFIG_ENV} needs "cluster" and "task" objects, e.g. '
+            '{"cluster": {"worker": ["a:12345", "b:12345"]}, "task": {"type": "worker", "index": 0}}'
+        )
     cluster, task = raw["cluster"], raw["task"]
     workers = [*cluster.get("chief", []), *cluster.get("worker", [])]
     if not workers or not all(isinstance(address, str) and ":" in address for address in workers):
@@ -104,7 +110,9 @@ def config_for_this_worker(config: Config, environ: Mapping[str, str] | None = N
         return config
     cluster = require_cluster(environ)
     if config.output.run_name is None:
-        raise BadInput("training.strategy multi_worker needs output.run_name (--run-name), the same on every worker")
+        raise BadInput(
+            "training.strategy multi_worker needs output.run_name (--run-name), the same on every worker"
+        )
     name = worker_run_name(config.output.run_name, cluster)
     return config.model_copy(update={"output": config.output.model_copy(update={"run_name": name})})
 
@@ -112,8 +120,10 @@ def config_for_this_worker(config: Config, environ: Mapping[str, str] | None = N
 def require_cluster(environ: Mapping[str, str] | None = None) -> WorkerCluster:
     cluster = read_cluster(environ)
     if cluster is None:
-        raise BadInput(f"training.strategy multi_worker needs the {TF_CONFIG_ENV} environment variable "
-                       f"(render it with templates/{TF_CONFIG_TEMPLATE}; see docs/remote.md)")
+        raise BadInput(
+            f"training.strategy multi_worker needs the {TF_CONFIG_ENV} environment variable "
+            f"(render it with templates/{TF_CONFIG_TEMPLATE}; see docs/remote.md)"
+        )
     return cluster
 
 
@@ -133,8 +143,10 @@ def per_worker_batch_size(config: Config, workers: int) -> int:
     if workers < 1:
         raise BadInput(f"worker count must be at least 1, got {workers}")
     if config.training.batch_size % workers:
-        raise BadInput(f"training.batch_size {config.training.batch_size} must be divisible by the "
-                       f"{workers} workers (it is the global batch, split evenly across them)")
+        raise BadInput(
+            f"training.batch_size {config.training.batch_size} must be divisible by the "
+            f"{workers} workers (it is the global batch, split evenly across them)"
+        )
     return config.training.batch_size // workers
 
 
@@ -192,8 +204,11 @@ def _patch_keras_for_multi_worker() -> None:
         for _, _, batches in iterator:
             batch = next(batches)
             data_batch = tree.map_structure(
-                lambda value: strategy.experimental_local_results(value)[0]
-                if isinstance(value, tf.distribute.DistributedValues) else value,
+                lambda value: (
+                    strategy.experimental_local_results(value)[0]
+                    if isinstance(value, tf.distribute.DistributedValues)
+                    else value
+                ),
                 batch,
             )
             break
@@ -214,8 +229,12 @@ def templates_dir() -> Path:
     raise BadInput(f"template {TF_CONFIG_TEMPLATE} not found next to the package")
 
 
-def render_tf_config(groups: Mapping[str, list[str]], hostvars: Mapping[str, Mapping[str, Any]],
-                     inventory_hostname: str, group: str) -> str:
+def render_tf_config(
+    groups: Mapping[str, list[str]],
+    hostvars: Mapping[str, Mapping[str, Any]],
+    inventory_hostname: str,
+    group: str,
+) -> str:
     """Render TF_CONFIG for one host of an inventory group, as Ansible's template module would.
 
     The template sees Ansible's names (``groups``, ``hostvars``, ``inventory_hostname``) and the
@@ -225,10 +244,16 @@ def render_tf_config(groups: Mapping[str, list[str]], hostvars: Mapping[str, Map
         raise BadInput(f"inventory has no group {group!r} with hosts (groups: {', '.join(sorted(groups))})")
     if inventory_hostname not in groups[group]:
         raise BadInput(f"host {inventory_hostname} is not in inventory group {group}")
-    environment = jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir())),
-                                     undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+    environment = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(templates_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+    )
     text = environment.get_template(TF_CONFIG_TEMPLATE).render(
-        groups=groups, hostvars=hostvars, inventory_hostname=inventory_hostname, bigmem_train_group=group,
+        groups=groups,
+        hostvars=hostvars,
+        inventory_hostname=inventory_hostname,
+        bigmem_train_group=group,
     )
     parse_tf_config(text)
     return text.strip()

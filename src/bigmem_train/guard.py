@@ -43,19 +43,27 @@ class Trip:
     reason: str  # "threshold" or "over_plan"
     sample: MemorySample
 
-    def describe(self, guard: "MemoryGuard") -> str:
+    def describe(self, guard: MemoryGuard) -> str:
         measured, usable = self.sample.measured_bytes, self.sample.usable_bytes or 0
         if self.reason == "threshold":
             return f"measured memory passed {guard.threshold:.0%} of usable memory"
-        return (f"measured memory passed the planned peak by more than {guard.tolerance:.0%} with "
-                f"{format_bytes(max(0, usable - measured))} left")
+        return (
+            f"measured memory passed the planned peak by more than {guard.tolerance:.0%} with "
+            f"{format_bytes(max(0, usable - measured))} left"
+        )
 
 
 class MemoryGuard:
     """Decides from memory samples whether the run must stop; thread-safe (fed by the sampler thread)."""
 
-    def __init__(self, threshold: float, room: float, tolerance: float, planned_peak_bytes: int | None,
-                 probe: MemoryProbe):
+    def __init__(
+        self,
+        threshold: float,
+        room: float,
+        tolerance: float,
+        planned_peak_bytes: int | None,
+        probe: MemoryProbe,
+    ):
         self.threshold = threshold
         self.room = room
         self.tolerance = tolerance
@@ -66,8 +74,10 @@ class MemoryGuard:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_config(cls, config: Config, planned_peak_bytes: int | None, probe: MemoryProbe) -> "MemoryGuard":
-        return cls(config.guard.threshold, config.guard.room, config.footprint.tolerance, planned_peak_bytes, probe)
+    def for_config(cls, config: Config, planned_peak_bytes: int | None, probe: MemoryProbe) -> MemoryGuard:
+        return cls(
+            config.guard.threshold, config.guard.room, config.footprint.tolerance, planned_peak_bytes, probe
+        )
 
     def check(self, sample: MemorySample) -> str | None:
         """The reason this sample trips the guard, or None."""
@@ -109,8 +119,9 @@ class MemoryGuard:
         return self.trip
 
 
-def largest_fitting_job(config: Config, planned_peak_bytes: int | None, measured_bytes: int,
-                        usable_bytes: int) -> tuple[int, tuple[int, int, int] | None]:
+def largest_fitting_job(
+    config: Config, planned_peak_bytes: int | None, measured_bytes: int, usable_bytes: int
+) -> tuple[int, tuple[int, int, int] | None]:
     """(largest batch at this input shape, largest shape at batch 1) that the measurement says would fit.
 
     The job must shed what it measured above the guard's share of usable memory less the safety margin;
@@ -136,8 +147,16 @@ def largest_fitting_job(config: Config, planned_peak_bytes: int | None, measured
     return max(0, batch), fitting_shape
 
 
-def stop_message(trip: Trip, guard: MemoryGuard, config: Config, epoch: int, step: int, run_name: str,
-                 batch: int, shape: tuple[int, int, int] | None) -> str:
+def stop_message(
+    trip: Trip,
+    guard: MemoryGuard,
+    config: Config,
+    epoch: int,
+    step: int,
+    run_name: str,
+    batch: int,
+    shape: tuple[int, int, int] | None,
+) -> str:
     """The one line the run ends with."""
     sample = trip.sample
     planned = guard.planned_peak_bytes
@@ -149,12 +168,16 @@ def stop_message(trip: Trip, guard: MemoryGuard, config: Config, epoch: int, ste
     ]
     shape_text = "x".join(map(str, config.data.input_shape))
     if batch >= 1:
-        parts.append(f"largest batch the measurement says fits at {shape_text}: {batch}; resume with "
-                     f"--set training.batch_size={batch} --run-name {run_name}")
+        parts.append(
+            f"largest batch the measurement says fits at {shape_text}: {batch}; resume with "
+            f"--set training.batch_size={batch} --run-name {run_name}"
+        )
     elif shape is not None:
-        parts.append(f"not even batch 1 fits at {shape_text}; largest input shape at batch 1: "
-                     f"{'x'.join(map(str, shape))}; resume with --set training.batch_size=1 "
-                     f"--set data.input_shape=[{','.join(map(str, shape))}] --run-name {run_name}")
+        parts.append(
+            f"not even batch 1 fits at {shape_text}; largest input shape at batch 1: "
+            f"{'x'.join(map(str, shape))}; resume with --set training.batch_size=1 "
+            f"--set data.input_shape=[{','.join(map(str, shape))}] --run-name {run_name}"
+        )
     else:
         parts.append("no smaller batch or shape of this job would fit by the measurement")
     return "; ".join(parts)
@@ -195,13 +218,23 @@ def guard_callback(guard: MemoryGuard, backup: Any, config: Config, run_name: st
             backup._last_batch_seen = batch
             backup._save_model()
             fitting_batch, fitting_shape = largest_fitting_job(
-                config, guard.planned_peak_bytes, max(trip.sample.measured_bytes, guard.peak_measured_bytes),
-                trip.sample.usable_bytes or 0)
-            message = stop_message(trip, guard, config, self.epoch, batch, run_name, fitting_batch, fitting_shape)
+                config,
+                guard.planned_peak_bytes,
+                max(trip.sample.measured_bytes, guard.peak_measured_bytes),
+                trip.sample.usable_bytes or 0,
+            )
+            message = stop_message(
+                trip, guard, config, self.epoch, batch, run_name, fitting_batch, fitting_shape
+            )
             record = {
-                "stopped": "memory", "reason": trip.reason, "epoch": self.epoch, "step": batch,
-                "planned_peak_bytes": guard.planned_peak_bytes, "measured_bytes": trip.sample.measured_bytes,
-                "usable_bytes": trip.sample.usable_bytes, "measure": trip.sample.measure,
+                "stopped": "memory",
+                "reason": trip.reason,
+                "epoch": self.epoch,
+                "step": batch,
+                "planned_peak_bytes": guard.planned_peak_bytes,
+                "measured_bytes": trip.sample.measured_bytes,
+                "usable_bytes": trip.sample.usable_bytes,
+                "measure": trip.sample.measure,
                 "largest_fitting_batch": fitting_batch or None,
                 "largest_fitting_shape": list(fitting_shape) if fitting_shape else None,
                 "message": message,

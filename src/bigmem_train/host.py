@@ -220,7 +220,9 @@ class MemoryCgroup:
     def inactive_file_bytes(self) -> int:
         """Page cache on the inactive list: reclaimed first, before the OOM killer is called."""
         stat = self.stat()
-        return stat.get("inactive_file" if self.version == 2 else "total_inactive_file", stat.get("inactive_file", 0))
+        return stat.get(
+            "inactive_file" if self.version == 2 else "total_inactive_file", stat.get("inactive_file", 0)
+        )
 
     def limit_bytes(self) -> int | None:
         """The limit in force: v2 the smallest ``memory.max`` of the cgroup and its ancestors; v1

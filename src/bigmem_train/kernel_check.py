@@ -27,7 +27,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .conv import ConvGeometry, gemm_backward_weights_fits, gemm_backward_weights_scratchpad_bytes, slab_geometry
+from .conv import (
+    ConvGeometry,
+    gemm_backward_weights_fits,
+    gemm_backward_weights_scratchpad_bytes,
+    slab_geometry,
+)
 
 GEMM_FAMILY = "x64:gemm:jit"
 MARKER = "bigmem_probe"
@@ -54,7 +59,9 @@ class ConvCheck:
 
 
 def _probe_env(overrides: dict[str, str] | None) -> dict[str, str]:
-    env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="1", ONEDNN_VERBOSE="profile_create", TF_CPP_MIN_LOG_LEVEL="3")
+    env = dict(
+        os.environ, TF_ENABLE_ONEDNN_OPTS="1", ONEDNN_VERBOSE="profile_create", TF_CPP_MIN_LOG_LEVEL="3"
+    )
     env.pop("DNNL_VERBOSE", None)
     # The child imports this package from where this process has it (a source tree need not be installed).
     package_root = str(Path(__file__).resolve().parents[1])
@@ -66,7 +73,11 @@ def _probe_env(overrides: dict[str, str] | None) -> dict[str, str]:
 def _parse_create(line: str) -> tuple[str, str] | None:
     """(implementation, problem) of a oneDNN verbose create line for a backward-weights convolution."""
     fields = line.strip().split(",")
-    if len(fields) < 9 or not fields[0].endswith("_verbose") or not any(f.startswith("create") for f in fields):
+    if (
+        len(fields) < 9
+        or not fields[0].endswith("_verbose")
+        or not any(f.startswith("create") for f in fields)
+    ):
         return None
     try:
         index = fields.index("convolution")
@@ -78,8 +89,9 @@ def _parse_create(line: str) -> tuple[str, str] | None:
     return fields[index + 1], problem
 
 
-def probe_backward_weights(geometries: list[ConvGeometry], batch: int = 1, env: dict[str, str] | None = None,
-                           timeout: float = 600) -> list[tuple[str, str]]:
+def probe_backward_weights(
+    geometries: list[ConvGeometry], batch: int = 1, env: dict[str, str] | None = None, timeout: float = 600
+) -> list[tuple[str, str]]:
     """(implementation, oneDNN problem string) that oneDNN creates for the filter gradient of each
     geometry, in a child process (``env`` overrides its environment, e.g. ``ONEDNN_MAX_CPU_ISA``).
 
@@ -87,12 +99,23 @@ def probe_backward_weights(geometries: list[ConvGeometry], batch: int = 1, env: 
     killed and a fresh one continues with the next geometry."""
     results: list[tuple[str, str]] = []
     while len(results) < len(geometries):
-        pending = geometries[len(results):]
-        spec = json.dumps({"batch": batch, "geometries": [
-            [list(g.spatial), g.in_channels, g.out_channels, list(g.kernel), g.padding, g.dtype_bytes]
-            for g in pending]})
-        child = subprocess.Popen([sys.executable, "-m", "bigmem_train.kernel_check", spec],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_probe_env(env))
+        pending = geometries[len(results) :]
+        spec = json.dumps(
+            {
+                "batch": batch,
+                "geometries": [
+                    [list(g.spatial), g.in_channels, g.out_channels, list(g.kernel), g.padding, g.dtype_bytes]
+                    for g in pending
+                ],
+            }
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-m", "bigmem_train.kernel_check", spec],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_probe_env(env),
+        )
         current = None
         restarted = False
         try:
@@ -101,7 +124,11 @@ def probe_backward_weights(geometries: list[ConvGeometry], batch: int = 1, env: 
                     current = int(line.split(",")[1])
                     continue
                 created = _parse_create(line)
-                if created is None or current is None or len(results) != len(geometries) - len(pending) + current:
+                if (
+                    created is None
+                    or current is None
+                    or len(results) != len(geometries) - len(pending) + current
+                ):
                     continue
                 results.append(created)
                 if created[0].startswith("ref") and len(results) < len(geometries):
@@ -148,12 +175,26 @@ def check_model(model, family: str | None = None) -> list[ConvCheck]:
         if any(s != 1 for s in layer.strides) or any(d != 1 for d in layer.dilation_rate):
             continue
         dtype_bytes = 2 if layer.compute_dtype in ("bfloat16", "float16") else 4
-        geometry = ConvGeometry(tuple(int(e) for e in shape[1:4]), int(shape[-1]), layer.filters,
-                                tuple(layer.kernel_size), layer.padding, dtype_bytes)
+        geometry = ConvGeometry(
+            tuple(int(e) for e in shape[1:4]),
+            int(shape[-1]),
+            layer.filters,
+            tuple(layer.kernel_size),
+            layer.padding,
+            dtype_bytes,
+        )
         chunk = layer.depth_chunk(shape) if isinstance(layer, ChunkedConv3D) else None
         as_run = geometry if chunk is None else slab_geometry(geometry, chunk)
-        checks.append(ConvCheck(layer.name, geometry, chunk, gemm_backward_weights_scratchpad_bytes(as_run),
-                                gemm_backward_weights_fits(as_run), ""))
+        checks.append(
+            ConvCheck(
+                layer.name,
+                geometry,
+                chunk,
+                gemm_backward_weights_scratchpad_bytes(as_run),
+                gemm_backward_weights_fits(as_run),
+                "",
+            )
+        )
     for check in checks:
         if check.gemm_fits:
             check.implementation = family or "fast (gemm scratchpad under the limit)"
@@ -170,10 +211,12 @@ def warn_reference_kernels(checks: list[ConvCheck]) -> list[str]:
         if not check.reference:
             continue
         g = check.geometry
-        message = (f"layer {check.layer} (Conv3D {'x'.join(map(str, g.spatial))}, {g.in_channels} -> "
-                   f"{g.out_channels} channels): oneDNN gives its filter gradient the reference kernel "
-                   f"ref:any on this CPU (gemm scratchpad {check.scratchpad_bytes / 2**30:.2f} GiB > 1 GiB "
-                   f"limit); expect that gradient at least {REFERENCE_SLOWDOWN}x slower than x64:gemm:jit")
+        message = (
+            f"layer {check.layer} (Conv3D {'x'.join(map(str, g.spatial))}, {g.in_channels} -> "
+            f"{g.out_channels} channels): oneDNN gives its filter gradient the reference kernel "
+            f"ref:any on this CPU (gemm scratchpad {check.scratchpad_bytes / 2**30:.2f} GiB > 1 GiB "
+            f"limit); expect that gradient at least {REFERENCE_SLOWDOWN}x slower than x64:gemm:jit"
+        )
         print(f"bigmem-train: warning: {message}", file=sys.stderr, flush=True)
         warnings.append(message)
     return warnings
@@ -194,8 +237,9 @@ def _child(spec_json: str) -> None:
 
         @tf.function
         def filter_gradient(x, dy, sizes=(*kernel, cin, cout), padding=tf_padding):
-            return tf.raw_ops.Conv3DBackpropFilterV2(input=x, filter_sizes=list(sizes), out_backprop=dy,
-                                                     strides=[1] * 5, padding=padding)
+            return tf.raw_ops.Conv3DBackpropFilterV2(
+                input=x, filter_sizes=list(sizes), out_backprop=dy, strides=[1] * 5, padding=padding
+            )
 
         print(f"{MARKER},{index},{math.prod(spatial) * cin}", flush=True)
         filter_gradient(x, dy).numpy()

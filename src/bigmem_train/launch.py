@@ -179,7 +179,9 @@ def inherited_plan(config: Config) -> JobPlan | None:
             return JobPlan.from_dict(Config.model_validate(data["config"]), data["plan"])
     except (ValueError, TypeError, KeyError):  # not JSON, not a dict, a field missing, an invalid config
         pass
-    print(f"bigmem-train: the plan handed down in {PLAN_ENV} is not for this job; planning it again", flush=True)
+    print(
+        f"bigmem-train: the plan handed down in {PLAN_ENV} is not for this job; planning it again", flush=True
+    )
     return None
 
 

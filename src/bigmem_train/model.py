@@ -17,11 +17,15 @@ def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool
     for index in (1, 2):
         # Past oneDNN's gemm scratchpad limit a ChunkedConv3D (same mathematics) keeps the filter gradient off
         # the reference kernel (conv.py); below it the plain Keras layer.
-        x = conv3d_for(x.shape, filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}")(x)
+        x = conv3d_for(
+            x.shape, filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}"
+        )(x)
         if batch_norm:
             # Momentum 0.9 rather than Keras' 0.99: with batches of 1-16 volumes and runs of tens to
             # hundreds of steps, the moving statistics used for validation must catch up quickly.
-            x = layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name=f"{name}_bn{index}")(x)
+            x = layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name=f"{name}_bn{index}")(
+                x
+            )
         x = layers.Activation("relu", name=f"{name}_relu{index}")(x)
     return x
 
@@ -38,8 +42,14 @@ class RecomputedBlock(layers.Layer):
     Cost: one extra forward pass of every block (batch-norm moving averages are updated twice per step).
     """
 
-    def __init__(self, filters: int, batch_norm: bool = True, synchronized: bool = False,
-                 upsampling: str | None = None, **kwargs):
+    def __init__(
+        self,
+        filters: int,
+        batch_norm: bool = True,
+        synchronized: bool = False,
+        upsampling: str | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.filters = filters
         self.batch_norm = batch_norm
@@ -47,8 +57,9 @@ class RecomputedBlock(layers.Layer):
         self.upsampling = upsampling
         self.upsample = None
         if upsampling == "transpose":
-            self.upsample = layers.Conv3DTranspose(filters, 2, strides=2, padding="same",
-                                                   name=f"{self.name}_transpose")
+            self.upsample = layers.Conv3DTranspose(
+                filters, 2, strides=2, padding="same", name=f"{self.name}_transpose"
+            )
         elif upsampling == "resize":
             self.upsample = layers.UpSampling3D(2, name=f"{self.name}_resize")
         self.concat = layers.Concatenate(axis=-1, name=f"{self.name}_concat") if upsampling else None
@@ -56,11 +67,17 @@ class RecomputedBlock(layers.Layer):
         for index in (1, 2):
             # The input shape is not known yet: ChunkedConv3D chunks only where it must (below oneDNN's
             # limit it runs the plain layer's ops).
-            self.convs.append(ChunkedConv3D(filters, 3, padding="same", use_bias=not batch_norm,
-                                            name=f"{self.name}_conv{index}"))
+            self.convs.append(
+                ChunkedConv3D(
+                    filters, 3, padding="same", use_bias=not batch_norm, name=f"{self.name}_conv{index}"
+                )
+            )
             if batch_norm:
-                self.norms.append(layers.BatchNormalization(momentum=0.9, synchronized=synchronized,
-                                                            name=f"{self.name}_bn{index}"))
+                self.norms.append(
+                    layers.BatchNormalization(
+                        momentum=0.9, synchronized=synchronized, name=f"{self.name}_bn{index}"
+                    )
+                )
 
     def build(self, input_shape):
         # Build every inner layer here so no variable is created inside the recomputed function.
@@ -105,12 +122,21 @@ class RecomputedBlock(layers.Layer):
         return (*input_shape[:-1], self.filters)
 
     def get_config(self):
-        return {**super().get_config(), "filters": self.filters, "batch_norm": self.batch_norm,
-                "synchronized": self.synchronized, "upsampling": self.upsampling}
+        return {
+            **super().get_config(),
+            "filters": self.filters,
+            "batch_norm": self.batch_norm,
+            "synchronized": self.synchronized,
+            "upsampling": self.upsampling,
+        }
 
 
-def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], channels: int,
-               synchronized_batch_norm: bool = False) -> keras.Model:
+def build_unet(
+    model_config: ModelConfig,
+    input_shape: tuple[int, int, int],
+    channels: int,
+    synchronized_batch_norm: bool = False,
+) -> keras.Model:
     """Build the 3D U-Net for volumes of ``input_shape`` (X, Y, Z) with ``channels`` channels last.
 
     ``synchronized_batch_norm``: batch statistics over the global batch of all workers (multi-worker
@@ -139,8 +165,13 @@ def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], cha
     for level in reversed(range(model_config.depth)):
         filters = model_config.base_filters * 2**level
         if recompute:
-            x = RecomputedBlock(filters, batch_norm, synchronized_batch_norm, upsampling=model_config.upsampling,
-                                name=f"up{level}")([x, skips[level]])
+            x = RecomputedBlock(
+                filters,
+                batch_norm,
+                synchronized_batch_norm,
+                upsampling=model_config.upsampling,
+                name=f"up{level}",
+            )([x, skips[level]])
             continue
         if model_config.upsampling == "transpose":
             x = layers.Conv3DTranspose(filters, 2, strides=2, padding="same", name=f"up{level}_transpose")(x)
@@ -155,7 +186,11 @@ def build_unet(model_config: ModelConfig, input_shape: tuple[int, int, int], cha
     # the background (the prior-probability initialisation of Lin et al., 2017).
     bias = keras.initializers.Constant(-3.0) if model_config.output_classes == 1 else "zeros"
     outputs = layers.Conv3D(
-        model_config.output_classes, 1, activation=activation, bias_initializer=bias, dtype="float32",
+        model_config.output_classes,
+        1,
+        activation=activation,
+        bias_initializer=bias,
+        dtype="float32",
         name="segmentation",
     )(x)
     return keras.Model(inputs, outputs, name="unet3d")
@@ -210,13 +245,19 @@ def compile_model(config: Config) -> keras.Model:
     """Build and compile the configured U-Net (Adam, the study's loss, soft and hard Dice)."""
     if config.runtime.precision != "float32":
         keras.mixed_precision.set_global_policy(config.runtime.precision)
-    model = build_unet(config.model, config.data.input_shape, config.num_channels,
-                       synchronized_batch_norm=config.training.strategy == "multi_worker")
+    model = build_unet(
+        config.model,
+        config.data.input_shape,
+        config.num_channels,
+        synchronized_batch_norm=config.training.strategy == "multi_worker",
+    )
     model.compile(
         optimizer=keras.optimizers.Adam(config.training.learning_rate),
         loss=make_loss(config.training.dice_weight),
-        metrics=[keras.metrics.MeanMetricWrapper(soft_dice, name="dice"),
-                 keras.metrics.MeanMetricWrapper(hard_dice, name="hard_dice")],
+        metrics=[
+            keras.metrics.MeanMetricWrapper(soft_dice, name="dice"),
+            keras.metrics.MeanMetricWrapper(hard_dice, name="hard_dice"),
+        ],
         jit_compile=config.runtime.xla,
     )
     if config.runtime.onednn:

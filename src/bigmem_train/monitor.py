@@ -28,9 +28,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from .host import MemoryCgroup, find_memory_cgroup
 
@@ -38,8 +38,15 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MEMAVAILABLE = re.compile(rb"^MemAvailable:\s+(\d+) kB", re.MULTILINE)
 
 # memory.csv columns before the per-node ones.
-CSV_COLUMNS = ["time_unix", "elapsed_s", "rss_bytes", "anon_hugepages_bytes", "charged_bytes",
-               "working_set_bytes", "usable_bytes"]
+CSV_COLUMNS = [
+    "time_unix",
+    "elapsed_s",
+    "rss_bytes",
+    "anon_hugepages_bytes",
+    "charged_bytes",
+    "working_set_bytes",
+    "usable_bytes",
+]
 
 
 def anon_hugepages_bytes(pid: int | str = "self") -> int:
@@ -151,8 +158,11 @@ class MemoryProbe:
         available = memavailable_bytes()
         # What the host still has caps a cgroup limit set above it (or no limit at all).
         host_room = measured + available if available is not None else None
-        usable = min(value for value in (limit, host_room) if value is not None) \
-            if (limit is not None or host_room is not None) else None
+        usable = (
+            min(value for value in (limit, host_room) if value is not None)
+            if (limit is not None or host_room is not None)
+            else None
+        )
         return MemorySample(now, rss, charged, working_set, usable, self.measure)
 
 
@@ -163,9 +173,16 @@ class MemorySampler:
     is one); they must be quick. ``cpu_seconds`` is the CPU time the sampler thread has used.
     """
 
-    def __init__(self, csv_path: Path, interval: float = 0.25, numa_nodes: list[int] | None = None,
-                 probe: MemoryProbe | None = None, walk_interval: float = 30.0, walk_share: float = 0.002,
-                 listeners: list[Callable[[MemorySample], None]] | None = None):
+    def __init__(
+        self,
+        csv_path: Path,
+        interval: float = 0.25,
+        numa_nodes: list[int] | None = None,
+        probe: MemoryProbe | None = None,
+        walk_interval: float = 30.0,
+        walk_share: float = 0.002,
+        listeners: list[Callable[[MemorySample], None]] | None = None,
+    ):
         self.csv_path = Path(csv_path)
         self.interval = interval
         self.numa_nodes = numa_nodes if numa_nodes and len(numa_nodes) > 1 else []
@@ -220,9 +237,15 @@ class MemorySampler:
         self.peak_charged_bytes = max(self.peak_charged_bytes, sample.charged_bytes or 0)
         self.peak_working_set_bytes = max(self.peak_working_set_bytes, sample.working_set_bytes or 0)
         self.peak_anon_hugepages_bytes = max(self.peak_anon_hugepages_bytes, self._anon_hugepages)
-        row = [f"{sample.time_unix:.3f}", f"{sample.time_unix - self._start_time:.3f}", sample.rss_bytes,
-               self._anon_hugepages, _blank(sample.charged_bytes), _blank(sample.working_set_bytes),
-               _blank(sample.usable_bytes)]
+        row = [
+            f"{sample.time_unix:.3f}",
+            f"{sample.time_unix - self._start_time:.3f}",
+            sample.rss_bytes,
+            self._anon_hugepages,
+            _blank(sample.charged_bytes),
+            _blank(sample.working_set_bytes),
+            _blank(sample.usable_bytes),
+        ]
         for node in self.numa_nodes:
             value = self._node_bytes.get(node, 0)
             self.peak_node_bytes[node] = max(self.peak_node_bytes.get(node, 0), value)

@@ -12,8 +12,8 @@ from . import launch
 from .config import Config
 from .data import check_dataset_folder, training_split
 from .distribute import config_for_this_worker, is_chief, planned_workers
-from .guard import MemoryStopped
 from .errors import EXIT_FAIL, EXIT_PASS
+from .guard import MemoryStopped
 from .host import HostFacts, read_host_facts
 from .memory.plan import JobPlan, plan_job
 from .memory.preflight import check_fits
@@ -51,11 +51,15 @@ def plan_and_launch(config: Config, host: HostFacts) -> JobPlan:
     plan = plan_job(config, host)
     check_fits(plan, host)
     target = f", target {format_bytes(plan.target_bytes)}" if plan.target_bytes else ""
-    print(f"bigmem-train: planned peak {format_bytes(plan.peak_bytes)}{target}, NUMA {plan.placement.policy}",
-          flush=True)
+    print(
+        f"bigmem-train: planned peak {format_bytes(plan.peak_bytes)}{target}, NUMA {plan.placement.policy}",
+        flush=True,
+    )
     if plan.calibration_warning:
-        print(f"bigmem-train: warning: planner constants {plan.calibration_source}: {plan.calibration_warning}",
-              flush=True)
+        print(
+            f"bigmem-train: warning: planner constants {plan.calibration_source}: {plan.calibration_warning}",
+            flush=True,
+        )
     launch.relaunch_if_needed(config, plan, host)
     return plan
 
@@ -66,11 +70,14 @@ def with_dataset(config: Config) -> Config:
         return config
     data = config.data
     shape = "x".join(str(edge) for edge in data.synthetic_shape)
-    folder = (Path(config.output.results_dir)
-              / f"synthetic-{data.synthetic_cases}cases-{shape}-seed{data.synthetic_seed}")
+    folder = (
+        Path(config.output.results_dir)
+        / f"synthetic-{data.synthetic_cases}cases-{shape}-seed{data.synthetic_seed}"
+    )
     print(f"bigmem-train: synthetic dataset {folder}", flush=True)
-    path = write_synthetic_dataset(folder, cases=data.synthetic_cases, shape=data.synthetic_shape,
-                                   seed=data.synthetic_seed)
+    path = write_synthetic_dataset(
+        folder, cases=data.synthetic_cases, shape=data.synthetic_shape, seed=data.synthetic_seed
+    )
     return config.model_copy(update={"data": data.model_copy(update={"path": path})})
 
 
@@ -78,11 +85,18 @@ def write_run_inputs(run_dir: Path, host: HostFacts, plan: JobPlan, cases: tuple
     train_cases, validation_cases = cases
     write_json(run_dir / "host.json", host.to_dict())
     write_json(run_dir / "plan.json", plan.to_dict())
-    write_json(run_dir / "split.json", {"train": [case.name for case in train_cases],
-                                        "validation": [case.name for case in validation_cases]})
+    write_json(
+        run_dir / "split.json",
+        {
+            "train": [case.name for case in train_cases],
+            "validation": [case.name for case in validation_cases],
+        },
+    )
 
 
-def train_run(run_dir: Path, plan: JobPlan, cases: tuple[list, list], host: HostFacts, resuming: bool) -> None:
+def train_run(
+    run_dir: Path, plan: JobPlan, cases: tuple[list, list], host: HostFacts, resuming: bool
+) -> None:
     """Train, keeping the state file honest: a killed, failed or memory-stopped run stays resumable and never
     looks finished."""
     try:

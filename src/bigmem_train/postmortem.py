@@ -67,10 +67,17 @@ def planned_peak_bytes(run_dir: Path) -> int | None:
         return None
 
 
-def explain(state: dict[str, Any], *, measured_bytes: int | None, planned_bytes: int | None,
-            container_oom_killed: bool | None = None, cgroup_oom_kills: int | None = None,
-            host_oom_kills_now: int | None = None, exit_code: int | None = None,
-            rebooted: bool = False) -> Ending:
+def explain(
+    state: dict[str, Any],
+    *,
+    measured_bytes: int | None,
+    planned_bytes: int | None,
+    container_oom_killed: bool | None = None,
+    cgroup_oom_kills: int | None = None,
+    host_oom_kills_now: int | None = None,
+    exit_code: int | None = None,
+    rebooted: bool = False,
+) -> Ending:
     """Weigh the evidence about a run whose process is gone (see the module) into one message."""
     where = f"at about {_gib(measured_bytes)}" if measured_bytes else "at an unknown size (no memory sample)"
     planned = f"planned {_gib(planned_bytes)}" if planned_bytes else "no plan recorded"
@@ -83,22 +90,34 @@ def explain(state: dict[str, Any], *, measured_bytes: int | None, planned_bytes:
     start_count = cgroup.get("oom_kills")
     if cgroup_oom_kills is not None and start_count is not None and cgroup_oom_kills > start_count:
         counter = "memory.events" if cgroup.get("version") == 2 else "memory.oom_control"
-        evidence.append(f"cgroup v{cgroup.get('version')} {counter} oom_kill went from {start_count} to "
-                        f"{cgroup_oom_kills} during the run")
+        evidence.append(
+            f"cgroup v{cgroup.get('version')} {counter} oom_kill went from {start_count} to "
+            f"{cgroup_oom_kills} during the run"
+        )
     host_start = state.get("host_oom_kills")
     host_rose = host_oom_kills_now is not None and host_start is not None and host_oom_kills_now > host_start
     if not evidence and host_rose and exit_code in (None, EXIT_SIGKILL):
-        evidence.append(f"the host's OOM kill count (/proc/vmstat oom_kill) went from {host_start} to "
-                        f"{host_oom_kills_now} during the run" + (" and it ended with exit 137" if exit_code else ""))
+        evidence.append(
+            f"the host's OOM kill count (/proc/vmstat oom_kill) went from {host_start} to "
+            f"{host_oom_kills_now} during the run" + (" and it ended with exit 137" if exit_code else "")
+        )
     if evidence:
-        return Ending("oom", f"killed by the out-of-memory killer {where} ({planned}{limit_text})",
-                      "; ".join(evidence))
+        return Ending(
+            "oom", f"killed by the out-of-memory killer {where} ({planned}{limit_text})", "; ".join(evidence)
+        )
     if rebooted:
-        return Ending("rebooted", f"the host restarted while the run was running (last sample {where}, {planned})")
+        return Ending(
+            "rebooted", f"the host restarted while the run was running (last sample {where}, {planned})"
+        )
     if exit_code == EXIT_SIGKILL or (exit_code is not None and exit_code > 128):
-        return Ending("killed", f"killed by signal {exit_code - 128} {where} ({planned}); not by the out-of-memory "
-                                "killer as far as the OOM counters say")
-    return Ending("unknown", f"the process ended without a record {where} ({planned}); no OOM kill was counted")
+        return Ending(
+            "killed",
+            f"killed by signal {exit_code - 128} {where} ({planned}); not by the out-of-memory "
+            "killer as far as the OOM counters say",
+        )
+    return Ending(
+        "unknown", f"the process ended without a record {where} ({planned}); no OOM kill was counted"
+    )
 
 
 def _process_alive(state: dict[str, Any]) -> bool | None:
@@ -130,8 +149,12 @@ def inspect_container(identifier: str) -> dict[str, Any] | None:
     if shutil.which("docker") is None:
         return None
     try:
-        result = subprocess.run(["docker", "inspect", "--format", "{{json .State}}", identifier],
-                                capture_output=True, text=True, timeout=30)
+        result = subprocess.run(
+            ["docker", "inspect", "--format", "{{json .State}}", identifier],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if result.returncode != 0:
@@ -177,8 +200,11 @@ def diagnose(run_dir: Path, state: dict[str, Any]) -> Ending | None:
     when it ended with a record, or when this host cannot tell (another PID namespace and no container)."""
     if state.get("state") != "running":
         return None
-    boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip() \
-        if Path("/proc/sys/kernel/random/boot_id").exists() else None
+    boot_id = (
+        Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        if Path("/proc/sys/kernel/random/boot_id").exists()
+        else None
+    )
     rebooted = bool(state.get("boot_id") and boot_id and state["boot_id"] != boot_id)
     container_state = None
     if not rebooted:
@@ -197,10 +223,15 @@ def diagnose(run_dir: Path, state: dict[str, Any]) -> Ending | None:
         # Killed before its first sample: the cgroup's own high-water mark, where it can still be read.
         measured = _cgroup_peak_here(state)
     return explain(
-        state, measured_bytes=measured, planned_bytes=planned_peak_bytes(run_dir),
+        state,
+        measured_bytes=measured,
+        planned_bytes=planned_peak_bytes(run_dir),
         container_oom_killed=container_state.get("OOMKilled") if container_state else None,
         cgroup_oom_kills=None if rebooted else _cgroup_oom_kills_here(state),
-        host_oom_kills_now=None if rebooted else host_oom_kills(), exit_code=exit_code, rebooted=rebooted)
+        host_oom_kills_now=None if rebooted else host_oom_kills(),
+        exit_code=exit_code,
+        rebooted=rebooted,
+    )
 
 
 def describe_fetched(run_dir: Path, container_oom_killed: bool | None, exit_code: int | None) -> str:
@@ -213,7 +244,11 @@ def describe_fetched(run_dir: Path, container_oom_killed: bool | None, exit_code
     if state.get("state") != "running":
         detail = state.get("message") or state.get("error") or ""
         return f"state.json says {state.get('state')}" + (f": {detail}" if detail else "")
-    ending = explain(state, measured_bytes=last_measured_bytes(run_dir, state),
-                     planned_bytes=planned_peak_bytes(run_dir), container_oom_killed=container_oom_killed,
-                     exit_code=exit_code)
+    ending = explain(
+        state,
+        measured_bytes=last_measured_bytes(run_dir, state),
+        planned_bytes=planned_peak_bytes(run_dir),
+        container_oom_killed=container_oom_killed,
+        exit_code=exit_code,
+    )
     return ending.message + (f" ({ending.evidence})" if ending.evidence else "")

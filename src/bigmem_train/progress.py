@@ -71,7 +71,10 @@ class ProgressState:
         """One status line: where the run is, how fast, how much memory against the plan, how long left."""
         done = self.epoch * self.steps_per_epoch + self.step
         total = self.epochs * self.steps_per_epoch
-        parts = [f"epoch {min(self.epoch + 1, self.epochs)}/{self.epochs}", f"step {self.step}/{self.steps_per_epoch}"]
+        parts = [
+            f"epoch {min(self.epoch + 1, self.epochs)}/{self.epochs}",
+            f"step {self.step}/{self.steps_per_epoch}",
+        ]
         if bar_width:
             filled = int(bar_width * done / max(1, total))
             parts.insert(0, "[" + "#" * filled + "." * (bar_width - filled) + "]")
@@ -85,7 +88,9 @@ class ProgressState:
         resident = resident_bytes()
         memory = f"mem {resident / GIB:.2f} GiB"
         if self.planned_peak_bytes:
-            memory += f" of {self.planned_peak_bytes / GIB:.2f} planned ({resident / self.planned_peak_bytes:.0%})"
+            memory += (
+                f" of {self.planned_peak_bytes / GIB:.2f} planned ({resident / self.planned_peak_bytes:.0%})"
+            )
         parts.append(memory)
         parts.append(f"left {format_duration(self.time_left())}")
         if self.loss is not None:
@@ -96,8 +101,13 @@ class ProgressState:
 class ProgressReporter:
     """Reports a :class:`ProgressState` from a thread: redrawn in a terminal, full lines in a log."""
 
-    def __init__(self, state: ProgressState, stream: TextIO | None = None, interactive: bool | None = None,
-                 log_interval: float = 60.0):
+    def __init__(
+        self,
+        state: ProgressState,
+        stream: TextIO | None = None,
+        interactive: bool | None = None,
+        log_interval: float = 60.0,
+    ):
         self.state = state
         self.stream = stream or sys.stdout
         self.interactive = self.stream.isatty() if interactive is None else interactive
@@ -156,8 +166,14 @@ def _numbers(logs: dict | None) -> dict[str, float]:
     return numbers
 
 
-def progress_callback(epochs: int, steps_per_epoch: int, planned_peak_bytes: int | None,
-                      stream: TextIO | None = None, interactive: bool | None = None, log_interval: float = 60.0):
+def progress_callback(
+    epochs: int,
+    steps_per_epoch: int,
+    planned_peak_bytes: int | None,
+    stream: TextIO | None = None,
+    interactive: bool | None = None,
+    log_interval: float = 60.0,
+):
     """A Keras callback that shows the run's progress (see the module's docstring); imports Keras."""
     import keras
 
@@ -171,8 +187,10 @@ def progress_callback(epochs: int, steps_per_epoch: int, planned_peak_bytes: int
             self._epoch_started = 0.0
 
         def on_train_begin(self, logs=None):
-            reporter.say("bigmem-train: tracing the training step (the first step compiles the graph; "
-                         "at large shapes this takes minutes)")
+            reporter.say(
+                "bigmem-train: tracing the training step (the first step compiles the graph; "
+                "at large shapes this takes minutes)"
+            )
             reporter.start()
 
         def on_epoch_begin(self, epoch, logs=None):
@@ -190,7 +208,9 @@ def progress_callback(epochs: int, steps_per_epoch: int, planned_peak_bytes: int
             state.step, state.step_started = batch + 1, None
             state.loss = _numbers(logs).get("loss", state.loss)
             if first:
-                reporter.say(f"bigmem-train: first step done in {format_duration(seconds)} (graph tracing included)")
+                reporter.say(
+                    f"bigmem-train: first step done in {format_duration(seconds)} (graph tracing included)"
+                )
 
         def on_test_begin(self, logs=None):
             state.validating_since = time.monotonic()
@@ -201,13 +221,16 @@ def progress_callback(epochs: int, steps_per_epoch: int, planned_peak_bytes: int
             state.validating_since = None
 
         def on_epoch_end(self, epoch, logs=None):
-            figures = "  ".join(f"{key} {value:.4f}" for key, value in _numbers(logs).items()
-                                if key != "learning_rate")
+            figures = "  ".join(
+                f"{key} {value:.4f}" for key, value in _numbers(logs).items() if key != "learning_rate"
+            )
             per_step = state.seconds_per_step()
             speed = f"{per_step:.2f} s/step, " if per_step is not None else ""
-            reporter.say(f"bigmem-train: epoch {epoch + 1}/{epochs} done in "
-                         f"{format_duration(time.monotonic() - self._epoch_started)} ({speed}left "
-                         f"{format_duration(state.time_left())}): {figures}")
+            reporter.say(
+                f"bigmem-train: epoch {epoch + 1}/{epochs} done in "
+                f"{format_duration(time.monotonic() - self._epoch_started)} ({speed}left "
+                f"{format_duration(state.time_left())}): {figures}"
+            )
             state.epoch, state.step = epoch + 1, 0
 
         def on_train_end(self, logs=None):

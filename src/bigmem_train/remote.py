@@ -52,12 +52,17 @@ JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # no writes outside /results and /tmp, the caller's uid so results belong to the login. No network,
 # unless the job is multi-worker.
 HARDENED_DOCKER_FLAGS = [
-    "--cap-drop", "ALL",
-    "--security-opt", "no-new-privileges",
+    "--cap-drop",
+    "ALL",
+    "--security-opt",
+    "no-new-privileges",
     "--read-only",
-    "--tmpfs", "/tmp:rw,nosuid,nodev",
-    "--pids-limit", "4096",
-    "--ipc", "private",
+    "--tmpfs",
+    "/tmp:rw,nosuid,nodev",
+    "--pids-limit",
+    "4096",
+    "--ipc",
+    "private",
 ]
 
 
@@ -118,9 +123,13 @@ class Inventory:
         if name in self.groups and self.groups[name]:
             return [self.hosts[host] for host in self.groups[name]]
         known = ", ".join(sorted(self.hosts)) or "none"
-        groups = ", ".join(sorted(group for group in self.groups if group not in {"all", "ungrouped"})) or "none"
-        raise BadInput(f"{name!r} is neither a host nor a group of inventory {self.path} "
-                       f"(hosts: {known}; groups: {groups})")
+        groups = (
+            ", ".join(sorted(group for group in self.groups if group not in {"all", "ungrouped"})) or "none"
+        )
+        raise BadInput(
+            f"{name!r} is neither a host nor a group of inventory {self.path} "
+            f"(hosts: {known}; groups: {groups})"
+        )
 
     def hostvars(self) -> dict[str, dict[str, Any]]:
         return {name: host.variables for name, host in self.hosts.items()}
@@ -153,15 +162,20 @@ def load_inventory(path: str | Path) -> Inventory:
         from ansible.parsing.dataloader import DataLoader
         from ansible.vars.manager import VariableManager
     except ImportError:
-        raise BadInput("remote commands need Ansible's inventory parser: pip install 'bigmem-train[ops]'") from None
+        raise BadInput(
+            "remote commands need Ansible's inventory parser: pip install 'bigmem-train[ops]'"
+        ) from None
     loader = DataLoader()
     inventory = InventoryManager(loader=loader, sources=[str(path)])
     variables = VariableManager(loader=loader, inventory=inventory)
     hosts: dict[str, RemoteHost] = {}
     for host in inventory.get_hosts():
         merged = variables.get_vars(host=host, include_hostvars=False)
-        wanted = {key: _plain(value) for key, value in merged.items()
-                  if key.startswith(("ansible_", "bigmem_")) and key not in {"ansible_facts", "ansible_play_hosts"}}
+        wanted = {
+            key: _plain(value)
+            for key, value in merged.items()
+            if key.startswith(("ansible_", "bigmem_")) and key not in {"ansible_facts", "ansible_play_hosts"}
+        }
         hosts[host.name] = _remote_host(host.name, wanted, path)
     if not hosts:
         raise BadInput(f"inventory {path} has no hosts (is it an Ansible INI or YAML inventory?)")
@@ -175,7 +189,9 @@ def _remote_host(name: str, variables: dict[str, Any], inventory_path: Path) -> 
     try:
         port = int(port_value)
     except (TypeError, ValueError):
-        raise BadInput(f"inventory {inventory_path}: host {name} has ansible_port {port_value!r}, not a number") from None
+        raise BadInput(
+            f"inventory {inventory_path}: host {name} has ansible_port {port_value!r}, not a number"
+        ) from None
     user = variables.get("ansible_user") or variables.get("ansible_ssh_user")
     key_file = variables.get("ansible_ssh_private_key_file") or variables.get("ansible_private_key_file")
     if key_file:
@@ -185,9 +201,15 @@ def _remote_host(name: str, variables: dict[str, Any], inventory_path: Path) -> 
             # folder is the stable choice for a file that travels with it.
             key_path = inventory_path.parent / key_path
         key_file = str(key_path)
-    return RemoteHost(name=name, address=str(address), port=port, user=str(user) if user else None,
-                      key_file=key_file, connection=str(variables.get("ansible_connection") or "ssh"),
-                      variables=variables)
+    return RemoteHost(
+        name=name,
+        address=str(address),
+        port=port,
+        user=str(user) if user else None,
+        key_file=key_file,
+        connection=str(variables.get("ansible_connection") or "ssh"),
+        variables=variables,
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -202,33 +224,47 @@ def connect(host: RemoteHost, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Itera
     import paramiko
 
     if host.connection not in {"ssh", "paramiko", "smart"}:
-        raise BadInput(f"host {host.name} uses ansible_connection={host.connection}; remote commands need SSH "
-                       f"(on that machine run `bigmem-train run` directly)")
+        raise BadInput(
+            f"host {host.name} uses ansible_connection={host.connection}; remote commands need SSH "
+            f"(on that machine run `bigmem-train run` directly)"
+        )
     connect_kwargs: dict[str, Any] = {}
     if host.key_file:
         if not Path(host.key_file).is_file():
             raise BadInput(f"host {host.name}: ansible_ssh_private_key_file {host.key_file} does not exist")
         # Only the inventory's key: a key from the agent or ~/.ssh must not make a wrong setting work.
         connect_kwargs = {"key_filename": [host.key_file], "look_for_keys": False, "allow_agent": False}
-    connection = fabric.Connection(host.address, user=host.user, port=host.port, connect_timeout=timeout,
-                                   connect_kwargs=connect_kwargs)
+    connection = fabric.Connection(
+        host.address, user=host.user, port=host.port, connect_timeout=timeout, connect_kwargs=connect_kwargs
+    )
     try:
         connection.open()
     except paramiko.AuthenticationException:
         key = f"key {host.key_file}" if host.key_file else "the default keys"
-        raise Unreachable(f"{host.label}: login refused ({key} not accepted for user "
-                          f"{connection.user})") from None
+        raise Unreachable(
+            f"{host.label}: login refused ({key} not accepted for user {connection.user})"
+        ) from None
     except paramiko.BadHostKeyException:
-        raise Unreachable(f"{host.label}: host key does not match known_hosts (the server was "
-                          f"reinstalled, or this is not that server)") from None
+        raise Unreachable(
+            f"{host.label}: host key does not match known_hosts (the server was "
+            f"reinstalled, or this is not that server)"
+        ) from None
     except TimeoutError:
         raise Unreachable(f"{host.label}: unreachable (no answer within {timeout:g} s)") from None
     except paramiko.ssh_exception.NoValidConnectionsError as error:
-        reason = "connection refused" if all(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == 111
-                                             for e in error.errors.values()) else str(error)
+        reason = (
+            "connection refused"
+            if all(
+                isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == 111
+                for e in error.errors.values()
+            )
+            else str(error)
+        )
         raise Unreachable(f"{host.label}: unreachable ({reason})") from None
     except socket.gaierror as error:
-        raise Unreachable(f"{host.label}: unreachable (cannot resolve {host.address}: {error.strerror})") from None
+        raise Unreachable(
+            f"{host.label}: unreachable (cannot resolve {host.address}: {error.strerror})"
+        ) from None
     except (OSError, paramiko.SSHException) as error:
         raise Unreachable(f"{host.label}: unreachable ({type(error).__name__}: {error})") from None
     try:
@@ -282,8 +318,9 @@ class StartRequest:
     data_dir: str | None = None
 
 
-def start(inventory: Inventory, target: str, request: StartRequest,
-          timeout: float = DEFAULT_CONNECT_TIMEOUT) -> list[dict[str, Any]]:
+def start(
+    inventory: Inventory, target: str, request: StartRequest, timeout: float = DEFAULT_CONNECT_TIMEOUT
+) -> list[dict[str, Any]]:
     """Start a job detached on a host, or on every host of a group for a multi-worker job."""
     check_job_name(request.name)
     config_text = _config_text(request.config)
@@ -294,13 +331,19 @@ def start(inventory: Inventory, target: str, request: StartRequest,
     if multi_worker:
         group = target if target in inventory.groups else None
         if group is None:
-            raise BadInput(f"training.strategy multi_worker runs one worker per host of an inventory group; "
-                           f"{target} is a host, give its group")
+            raise BadInput(
+                f"training.strategy multi_worker runs one worker per host of an inventory group; "
+                f"{target} is a host, give its group"
+            )
         per_worker_batch_size(config, len(hosts))
-        tf_configs = [render_tf_config(inventory.groups, inventory.hostvars(), host.name, group) for host in hosts]
+        tf_configs = [
+            render_tf_config(inventory.groups, inventory.hostvars(), host.name, group) for host in hosts
+        ]
     elif len(hosts) > 1:
-        raise BadInput(f"{target} is a group of {len(hosts)} hosts; a job with training.strategy single "
-                       f"runs on one host (name the host, or set training.strategy: multi_worker)")
+        raise BadInput(
+            f"{target} is a group of {len(hosts)} hosts; a job with training.strategy single "
+            f"runs on one host (name the host, or set training.strategy: multi_worker)"
+        )
     started = []
     for host, tf_config in zip(hosts, tf_configs):
         # Every worker runs with the job's name; `run` names a non-chief's run directory NAME.workerN.
@@ -312,39 +355,69 @@ def start(inventory: Inventory, target: str, request: StartRequest,
     return started
 
 
-def _start_on(connection: Any, host: RemoteHost, request: StartRequest, config_text: str, run_name: str,
-              tf_config: str | None) -> dict[str, Any]:
+def _start_on(
+    connection: Any,
+    host: RemoteHost,
+    request: StartRequest,
+    config_text: str,
+    run_name: str,
+    tf_config: str | None,
+) -> dict[str, Any]:
     name = request.name
     folder = job_dir(host, name)
     existing = _read_job(connection, host, name, required=False)
     if existing is not None and _is_running(connection, existing):
-        raise BadInput(f"job {name} is already running on {host.name}; stop it first or choose another --name")
+        raise BadInput(
+            f"job {name} is already running on {host.name}; stop it first or choose another --name"
+        )
     if request.docker:
         if _run(connection, "command -v docker").exited != 0:
-            raise BadInput(f"docker is not installed on {host.name} (provision it with the docker role, "
-                           f"or start the job with --no-docker)")
+            raise BadInput(
+                f"docker is not installed on {host.name} (provision it with the docker role, "
+                f"or start the job with --no-docker)"
+            )
     elif _run(connection, f"command -v {shlex.quote(host.executable)}").exited != 0:
-        raise BadInput(f"{host.executable} is not on {host.name}'s PATH (install bigmem-train there, or set "
-                       f"bigmem_train_executable in the inventory)")
-    made = _run(connection, f"mkdir -p {shlex.quote(folder)}/results && rm -f {shlex.quote(folder)}/exit_code")
+        raise BadInput(
+            f"{host.executable} is not on {host.name}'s PATH (install bigmem-train there, or set "
+            f"bigmem_train_executable in the inventory)"
+        )
+    made = _run(
+        connection, f"mkdir -p {shlex.quote(folder)}/results && rm -f {shlex.quote(folder)}/exit_code"
+    )
     if made.exited != 0:
         raise BadInput(f"cannot create {folder} on {host.name}: {made.stderr.strip()}")
     _put_text(connection, config_text, f"{folder}/config.yaml")
     job: dict[str, Any] = {
-        "name": name, "mode": "docker" if request.docker else "process", "host": host.name,
-        "run_dir": f"results/{run_name}", "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "name": name,
+        "mode": "docker" if request.docker else "process",
+        "host": host.name,
+        "run_dir": f"results/{run_name}",
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "multi_worker": tf_config is not None,
     }
     environment = {"TF_CONFIG": tf_config} if tf_config else {}
     if request.docker:
         job.update(image=request.image, container=name)
-        nodes = _run(connection, "ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l").stdout.strip()
-        command = docker_run_command(name, request.image, folder, name, request.data_dir, environment,
-                                     numa_nodes=int(nodes) if nodes.isdigit() else 1)
-        result = _run(connection, f"cd {shlex.quote(folder)} && (docker rm -f {shlex.quote(name)} >/dev/null 2>&1; "
-                                  f"{command})")
+        nodes = _run(
+            connection, "ls -d /sys/devices/system/node/node[0-9]* 2>/dev/null | wc -l"
+        ).stdout.strip()
+        command = docker_run_command(
+            name,
+            request.image,
+            folder,
+            name,
+            request.data_dir,
+            environment,
+            numa_nodes=int(nodes) if nodes.isdigit() else 1,
+        )
+        result = _run(
+            connection,
+            f"cd {shlex.quote(folder)} && (docker rm -f {shlex.quote(name)} >/dev/null 2>&1; {command})",
+        )
         if result.exited != 0:
-            errors = [line for line in result.stderr.splitlines() if line.startswith("docker:")] or [result.stderr]
+            errors = [line for line in result.stderr.splitlines() if line.startswith("docker:")] or [
+                result.stderr
+            ]
             raise BadInput(f"docker run failed on {host.name}: {errors[0].strip()}")
         job["container_id"] = result.stdout.strip()[:12]
     else:
@@ -359,13 +432,31 @@ def _start_on(connection: Any, host: RemoteHost, request: StartRequest, config_t
     return job
 
 
-def docker_run_command(name: str, image: str, folder: str, run_name: str, data_dir: str | None,
-                       environment: dict[str, str], numa_nodes: int = 1) -> str:
+def docker_run_command(
+    name: str,
+    image: str,
+    folder: str,
+    run_name: str,
+    data_dir: str | None,
+    environment: dict[str, str],
+    numa_nodes: int = 1,
+) -> str:
     """`docker run -d` of one job: hardened, results and config mounted from the job's folder."""
     quote = shlex.quote
-    parts = ["docker", "run", "-d", "--name", quote(name), "--user", '"$(id -u):$(id -g)"',
-             *HARDENED_DOCKER_FLAGS,
-             "-v", '"$PWD/results":/results', "-v", '"$PWD/config.yaml":/config/job.yaml:ro']
+    parts = [
+        "docker",
+        "run",
+        "-d",
+        "--name",
+        quote(name),
+        "--user",
+        '"$(id -u):$(id -g)"',
+        *HARDENED_DOCKER_FLAGS,
+        "-v",
+        '"$PWD/results":/results',
+        "-v",
+        '"$PWD/config.yaml":/config/job.yaml:ro',
+    ]
     if data_dir:
         parts += ["-v", f"{quote(data_dir)}:/data:ro"]
     # The workers of a multi-worker job reach each other on the ports TF_CONFIG names.
@@ -375,7 +466,16 @@ def docker_run_command(name: str, image: str, folder: str, run_name: str, data_d
         parts += ["--cap-add", "SYS_NICE"]
     for key, value in environment.items():
         parts += ["-e", quote(f"{key}={value}")]
-    parts += [quote(image), "run", "--config", "/config/job.yaml", "--results", "/results", "--run-name", quote(run_name)]
+    parts += [
+        quote(image),
+        "run",
+        "--config",
+        "/config/job.yaml",
+        "--results",
+        "/results",
+        "--run-name",
+        quote(run_name),
+    ]
     if data_dir:
         parts += ["--data", "/data"]
     return " ".join(parts)
@@ -392,7 +492,7 @@ def process_command(executable: str, run_name: str, data_dir: str | None, enviro
         job += ["--data", data_dir]
     inner = f"{' '.join(quote(part) for part in job)}; echo $? > exit_code"
     exports = "".join(f"{key}={quote(value)} " for key, value in environment.items())
-    return (f"{exports}setsid nohup sh -c {quote(inner)} > job.log 2>&1 < /dev/null & echo $!")
+    return f"{exports}setsid nohup sh -c {quote(inner)} > job.log 2>&1 < /dev/null & echo $!"
 
 
 def _read_job(connection: Any, host: RemoteHost, name: str, required: bool = True) -> dict[str, Any] | None:
@@ -412,7 +512,9 @@ def _read_job(connection: Any, host: RemoteHost, name: str, required: bool = Tru
 
 def _is_running(connection: Any, job: dict[str, Any]) -> bool:
     if job.get("mode") == "docker":
-        result = _run(connection, f"docker inspect -f '{{{{.State.Running}}}}' {shlex.quote(job['container'])}")
+        result = _run(
+            connection, f"docker inspect -f '{{{{.State.Running}}}}' {shlex.quote(job['container'])}"
+        )
         return result.stdout.strip() == "true"
     folder = shlex.quote(job["folder"])
     result = _run(connection, f"kill -0 {int(job['pid'])} 2>/dev/null && [ ! -e {folder}/exit_code ]")
@@ -466,7 +568,9 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-def status(inventory: Inventory, target: str, name: str, timeout: float = DEFAULT_CONNECT_TIMEOUT) -> list[dict[str, Any]]:
+def status(
+    inventory: Inventory, target: str, name: str, timeout: float = DEFAULT_CONNECT_TIMEOUT
+) -> list[dict[str, Any]]:
     """Status of a job on a host (or on every worker of a group), read from the run's own files."""
     reports = []
     for host in inventory.targets(target):
@@ -479,8 +583,11 @@ def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
     job = _read_job(connection, host, name)
     running = _is_running(connection, job)
     container = job.get("container") if job.get("mode") == "docker" else ""
-    script = _STATUS_SCRIPT.format(folder=shlex.quote(job["folder"]), run_dir=shlex.quote(job["run_dir"]),
-                                   container=shlex.quote(container or ""))
+    script = _STATUS_SCRIPT.format(
+        folder=shlex.quote(job["folder"]),
+        run_dir=shlex.quote(job["run_dir"]),
+        container=shlex.quote(container or ""),
+    )
     sections = _sections(_run(connection, script).stdout)
     state_file = _json_or_none(sections.get("state", "")) or {}
     progress = _json_or_none(sections.get("progress", "")) or {}
@@ -496,9 +603,14 @@ def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
     else:
         state = "exited"
     report: dict[str, Any] = {
-        "host": host.name, "name": name, "state": state, "mode": job.get("mode"),
-        "run_dir": f"{job['folder']}/{job['run_dir']}", "started": job.get("started"),
-        "run_state": state_file.get("state"), "error": state_file.get("error"),
+        "host": host.name,
+        "name": name,
+        "state": state,
+        "mode": job.get("mode"),
+        "run_dir": f"{job['folder']}/{job['run_dir']}",
+        "started": job.get("started"),
+        "run_state": state_file.get("state"),
+        "error": state_file.get("error"),
         "exit_code": int(exit_code) if exit_code and exit_code.lstrip("-").isdigit() else None,
     }
     epochs = sections.get("config_epochs")
@@ -554,9 +666,15 @@ def _ending(state_file: dict[str, Any], sections: dict[str, str], exit_code: int
         limited = bool((state_file.get("cgroup") or {}).get("limit_bytes"))
         column = "working_set_bytes" if limited and row.get("working_set_bytes") else "rss_bytes"
         measured = integer(row.get(column))
-    return explain(state_file, measured_bytes=measured, planned_bytes=integer(sections.get("plan_peak")),
-                   container_oom_killed=oom_killed, cgroup_oom_kills=integer(sections.get("cgroup_oom")),
-                   host_oom_kills_now=integer(sections.get("host_oom")), exit_code=exit_code)
+    return explain(
+        state_file,
+        measured_bytes=measured,
+        planned_bytes=integer(sections.get("plan_peak")),
+        container_oom_killed=oom_killed,
+        cgroup_oom_kills=integer(sections.get("cgroup_oom")),
+        host_oom_kills_now=integer(sections.get("host_oom")),
+        exit_code=exit_code,
+    )
 
 
 def _number(text: str) -> float | str:
@@ -567,16 +685,19 @@ def _number(text: str) -> float | str:
 
 
 def format_status(report: dict[str, Any]) -> str:
-    lines = [f"{report['name']} on {report['host']}: {report['state']}"
-             + (f" (exit code {report['exit_code']})" if report.get("exit_code") not in (None, 0) else "")]
+    lines = [
+        f"{report['name']} on {report['host']}: {report['state']}"
+        + (f" (exit code {report['exit_code']})" if report.get("exit_code") not in (None, 0) else "")
+    ]
     if report.get("epoch"):
         epochs = f"/{report['epochs']}" if report.get("epochs") else ""
         steps = f"/{report['steps_per_epoch']}" if report.get("steps_per_epoch") else ""
         lines.append(f"  epoch {report['epoch']}{epochs}, step {report.get('step')}{steps}")
     last = report.get("last_epoch")
     if last:
-        shown = ", ".join(f"{key} {value:.4f}" for key, value in last.items()
-                          if key != "epoch" and isinstance(value, float))
+        shown = ", ".join(
+            f"{key} {value:.4f}" for key, value in last.items() if key != "epoch" and isinstance(value, float)
+        )
         lines.append(f"  last finished epoch {int(last.get('epoch', 0)) + 1}: {shown}")
     if "peak_rss_bytes" in report:
         live = format_bytes(report["live_rss_bytes"]) if report.get("live_rss_bytes") else "-"
@@ -589,15 +710,26 @@ def format_status(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def logs(inventory: Inventory, host_name: str, name: str, follow: bool = False, lines: int | None = None,
-         timeout: float = DEFAULT_CONNECT_TIMEOUT) -> int:
+def logs(
+    inventory: Inventory,
+    host_name: str,
+    name: str,
+    follow: bool = False,
+    lines: int | None = None,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT,
+) -> int:
     """Print a job's output; with ``follow``, keep printing until the job ends (or Ctrl-C)."""
     host = inventory.host(host_name)
     with connect(host, timeout) as connection:
         job = _read_job(connection, host, name)
         if job.get("mode") == "docker":
-            command = ["docker", "logs", *(["--follow"] if follow else []),
-                       *(["--tail", str(lines)] if lines is not None else []), job["container"]]
+            command = [
+                "docker",
+                "logs",
+                *(["--follow"] if follow else []),
+                *(["--tail", str(lines)] if lines is not None else []),
+                job["container"],
+            ]
         else:
             command = ["tail", "-n", str(lines) if lines is not None else "+1"]
             if follow:
@@ -609,8 +741,13 @@ def logs(inventory: Inventory, host_name: str, name: str, follow: bool = False, 
         return 0 if result.exited == 0 else 1
 
 
-def stop(inventory: Inventory, target: str, name: str, grace_seconds: int = 30,
-         timeout: float = DEFAULT_CONNECT_TIMEOUT) -> list[str]:
+def stop(
+    inventory: Inventory,
+    target: str,
+    name: str,
+    grace_seconds: int = 30,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT,
+) -> list[str]:
     """Stop a job (every worker of a group): SIGTERM, then SIGKILL after ``grace_seconds``.
 
     The run stays resumable: starting a job of the same name again continues from its last epoch.
@@ -623,14 +760,19 @@ def stop(inventory: Inventory, target: str, name: str, grace_seconds: int = 30,
                 messages.append(f"{name} on {host.name}: not running")
                 continue
             if job.get("mode") == "docker":
-                result = _run(connection, f"docker stop -t {int(grace_seconds)} {shlex.quote(job['container'])}")
+                result = _run(
+                    connection, f"docker stop -t {int(grace_seconds)} {shlex.quote(job['container'])}"
+                )
                 if result.exited != 0:
                     raise BadInput(f"docker stop failed on {host.name}: {result.stderr.strip()}")
             else:
                 group = int(job["pid"])
-                _run(connection, f"kill -TERM -- -{group} 2>/dev/null; i=0; "
-                                 f"while kill -0 {group} 2>/dev/null && [ $i -lt {int(grace_seconds) * 10} ]; "
-                                 f"do sleep 0.1; i=$((i+1)); done; kill -KILL -- -{group} 2>/dev/null; true")
+                _run(
+                    connection,
+                    f"kill -TERM -- -{group} 2>/dev/null; i=0; "
+                    f"while kill -0 {group} 2>/dev/null && [ $i -lt {int(grace_seconds) * 10} ]; "
+                    f"do sleep 0.1; i=$((i+1)); done; kill -KILL -- -{group} 2>/dev/null; true",
+                )
             saved = {key: value for key, value in job.items() if key != "folder"}
             saved.update(stopped=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             _put_text(connection, json.dumps(saved, indent=2) + "\n", f"{job['folder']}/job.json")
@@ -638,8 +780,14 @@ def stop(inventory: Inventory, target: str, name: str, grace_seconds: int = 30,
     return messages
 
 
-def fetch(inventory: Inventory, host_name: str, name: str, to_dir: str | Path, checkpoints: bool = True,
-          timeout: float = DEFAULT_CONNECT_TIMEOUT) -> Path:
+def fetch(
+    inventory: Inventory,
+    host_name: str,
+    name: str,
+    to_dir: str | Path,
+    checkpoints: bool = True,
+    timeout: float = DEFAULT_CONNECT_TIMEOUT,
+) -> Path:
     """Copy a job's run directory (without the transient backup/) and its log into ``to_dir``."""
     host = inventory.host(host_name)
     destination_root = Path(to_dir).expanduser()
@@ -682,8 +830,11 @@ def tf_config(inventory: Inventory, host_name: str, group: str | None = None) ->
     """TF_CONFIG for one host of a group (the host's only group other than "all" when not given)."""
     host = inventory.host(host_name)
     if group is None:
-        member_of = [name for name, members in inventory.groups.items()
-                     if host.name in members and name not in {"all", "ungrouped"}]
+        member_of = [
+            name
+            for name, members in inventory.groups.items()
+            if host.name in members and name not in {"all", "ungrouped"}
+        ]
         if len(member_of) != 1:
             raise BadInput(f"host {host.name} is in groups {member_of or 'none'}; choose one with --group")
         group = member_of[0]

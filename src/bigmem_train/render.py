@@ -76,7 +76,9 @@ def render(name: str, variables: dict[str, Any], directory: Path | None = None) 
     try:
         template = environment.get_template(name)
     except jinja2.TemplateNotFound:
-        raise BadInput(f"template {name!r} not found in {directory} (have: {', '.join(list_templates(directory))})") from None
+        raise BadInput(
+            f"template {name!r} not found in {directory} (have: {', '.join(list_templates(directory))})"
+        ) from None
     try:
         text = template.render(**variables)
     except jinja2.UndefinedError as error:

@@ -40,14 +40,20 @@ def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
     times = [row["time_unix"] - start for row in memory]
     figure, axis = plt.subplots(figsize=(8, 4))
     axis.plot(times, [row["rss_bytes"] / GIB for row in memory], label="resident (RSS)")
-    axis.plot(times, [row.get("anon_hugepages_bytes", 0) / GIB for row in memory], label="of which THP", alpha=0.7)
+    axis.plot(
+        times, [row.get("anon_hugepages_bytes", 0) / GIB for row in memory], label="of which THP", alpha=0.7
+    )
     if metrics.get("memory_measure", "rss") != "rss":
-        axis.plot(times, [row.get("working_set_bytes", 0) / GIB for row in memory], label="cgroup working set")
+        axis.plot(
+            times, [row.get("working_set_bytes", 0) / GIB for row in memory], label="cgroup working set"
+        )
     for key in memory[0]:
         if key.startswith("node") and key.endswith("_bytes"):
             axis.plot(times, [row.get(key, 0) / GIB for row in memory], label=key[:-6], linestyle=":")
     if metrics.get("planned_peak_bytes"):
-        axis.axhline(metrics["planned_peak_bytes"] / GIB, color="tab:red", linestyle="--", label="planned peak")
+        axis.axhline(
+            metrics["planned_peak_bytes"] / GIB, color="tab:red", linestyle="--", label="planned peak"
+        )
     if metrics.get("target_bytes"):
         axis.axhline(metrics["target_bytes"] / GIB, color="black", linestyle="-.", label="target")
     axis.set_xlabel("seconds since start")
@@ -65,8 +71,13 @@ def _plot_training(run_dir: Path) -> Path | None:
         return None
     epochs = [int(row.get("epoch", index)) + 1 for index, row in enumerate(history)]
     figure, (loss_axis, dice_axis) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, axis in (("loss", loss_axis), ("val_loss", loss_axis), ("dice", dice_axis),
-                      ("val_dice", dice_axis), ("val_hard_dice", dice_axis)):
+    for key, axis in (
+        ("loss", loss_axis),
+        ("val_loss", loss_axis),
+        ("dice", dice_axis),
+        ("val_dice", dice_axis),
+        ("val_hard_dice", dice_axis),
+    ):
         if key in history[0]:
             axis.plot(epochs, [row.get(key) for row in history], marker="o", label=key)
     loss_axis.set_title("Loss per epoch")
@@ -98,7 +109,9 @@ def _planned_memory_rows(plan: dict, metrics: dict) -> str:
     rows = ["<tr><th>component</th><th>planned</th><th>measured</th></tr>"]
     for key, value in breakdown.items():
         planned = value.get("bytes") if isinstance(value, dict) else value  # plan.json: {bytes, gib}
-        rows.append(f"<tr><td>{html.escape(key.replace('_', ' '))}</td><td>{_gib(planned)}</td><td></td></tr>")
+        rows.append(
+            f"<tr><td>{html.escape(key.replace('_', ' '))}</td><td>{_gib(planned)}</td><td></td></tr>"
+        )
     planned_peak, measured_peak = plan.get("peak_bytes"), metrics.get("peak_rss_bytes")
     error = ""
     if planned_peak and measured_peak:
@@ -113,8 +126,11 @@ def _measure_statement(metrics: dict) -> str:
     if not measure:
         return "resident memory (RSS)"
     peak = metrics.get("peak_measured_bytes")
-    what = ("resident memory (RSS): no memory cgroup limit applied" if measure == "rss" else
-            f"{measure} (charged to the run's cgroup less inactive page cache: what its limit acts on)")
+    what = (
+        "resident memory (RSS): no memory cgroup limit applied"
+        if measure == "rss"
+        else f"{measure} (charged to the run's cgroup less inactive page cache: what its limit acts on)"
+    )
     return f"{what}; peak {format_bytes(peak)}" if peak else what
 
 
@@ -137,39 +153,52 @@ def write_report(run_dir: Path) -> Path:
         ("Input shape x batch", f"{metrics.get('input_shape')} x {metrics.get('batch_size')}"),
         ("Judged memory measure", _measure_statement(metrics)),
         ("Peak resident memory (RSS)", size(metrics.get("peak_rss_bytes"))),
-        ("Peak cgroup working set / charge", f"{size(metrics.get('peak_cgroup_working_set_bytes'))} / "
-                                             f"{size(metrics.get('peak_cgroup_charged_bytes'))}"),
+        (
+            "Peak cgroup working set / charge",
+            f"{size(metrics.get('peak_cgroup_working_set_bytes'))} / "
+            f"{size(metrics.get('peak_cgroup_charged_bytes'))}",
+        ),
         ("Planned peak", size(metrics.get("planned_peak_bytes"))),
         ("Target", size(metrics.get("target_bytes"))),
         ("Median step time", f"{metrics.get('median_step_seconds')} s"),
         ("Voxels per second", metrics.get("voxels_per_second")),
         ("Loss (first -> last epoch)", f"{metrics.get('initial_loss')} -> {metrics.get('final_loss')}"),
-        ("Best validation Dice (soft / hard)", f"{metrics.get('best_val_dice')} / {metrics.get('best_val_hard_dice')}"),
+        (
+            "Best validation Dice (soft / hard)",
+            f"{metrics.get('best_val_dice')} / {metrics.get('best_val_hard_dice')}",
+        ),
         ("Transparent huge pages at peak", size(metrics.get("peak_anon_hugepages_bytes"))),
         ("NUMA policy", metrics.get("numa_policy")),
         ("Threads (intra / inter)", f"{metrics.get('intra_op_threads')} / {metrics.get('inter_op_threads')}"),
-        ("TensorFlow / oneDNN", f"{metrics.get('tensorflow_version')} / "
-                                f"{'on' if metrics.get('onednn_enabled') else 'off'}"),
+        (
+            "TensorFlow / oneDNN",
+            f"{metrics.get('tensorflow_version')} / {'on' if metrics.get('onednn_enabled') else 'off'}",
+        ),
         ("Intel-optimized (oneDNN on)", metrics.get("intel_optimized")),
-        ("Host", f"{host.get('hostname', '?')}: {size(host.get('memory_total_bytes'))} total, "
-                 f"{host.get('physical_cores', '?')} cores, {len(host.get('numa_nodes', []))} NUMA nodes"),
+        (
+            "Host",
+            f"{host.get('hostname', '?')}: {size(host.get('memory_total_bytes'))} total, "
+            f"{host.get('physical_cores', '?')} cores, {len(host.get('numa_nodes', []))} NUMA nodes",
+        ),
     ]
-    table = "\n".join(f"<tr><th>{html.escape(str(key))}</th><td>{html.escape(str(value))}</td></tr>"
-                      for key, value in rows)
+    table = "\n".join(
+        f"<tr><th>{html.escape(str(key))}</th><td>{html.escape(str(value))}</td></tr>" for key, value in rows
+    )
     criteria = "\n".join(
         f"<li class={'ok' if item['passed'] else 'fail'}>{'&#10003;' if item['passed'] else '&#10007;'} "
         f"<b>{html.escape(item['name'])}</b>: {html.escape(item['detail'])}</li>"
-        for item in verdict.get("criteria", []))
+        for item in verdict.get("criteria", [])
+    )
     breakdown = _planned_memory_rows(plan, metrics)
     figures = "\n".join(f'<img src="{path.name}" alt="{path.stem}">' for path in images)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>bigmem-train run {html.escape(run_dir.name)}</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}th{{text-align:left;padding-right:2em}}
 .ok{{color:#176017}}.fail{{color:#a11}}img{{max-width:100%;margin:1em 0}}</style></head>
-<body><h1>bigmem-train run <code>{html.escape(run_dir.name)}</code>: {html.escape(verdict.get('verdict', 'not validated'))}</h1>
-<h2>Criteria</h2><ul>{criteria or '<li>not validated yet: run bigmem-train validate</li>'}</ul>
+<body><h1>bigmem-train run <code>{html.escape(run_dir.name)}</code>: {html.escape(verdict.get("verdict", "not validated"))}</h1>
+<h2>Criteria</h2><ul>{criteria or "<li>not validated yet: run bigmem-train validate</li>"}</ul>
 <h2>Key figures</h2><table>{table}</table>
-<h2>Planned memory</h2><table>{breakdown or '<tr><td>no plan recorded</td></tr>'}</table>
+<h2>Planned memory</h2><table>{breakdown or "<tr><td>no plan recorded</td></tr>"}</table>
 <h2>Plots</h2>{figures}
 </body></html>
 """

@@ -82,9 +82,14 @@ def process_identity() -> dict[str, Any]:
         identity["container_id"] = container.group(1)
     cgroup = find_memory_cgroup()
     if cgroup is not None:
-        identity["cgroup"] = {"version": cgroup.version, "path": cgroup.path, "folder": str(cgroup.folder),
-                              "oom_counter_file": str(cgroup.oom_counter_file),
-                              "oom_kills": cgroup.oom_kills(), "limit_bytes": cgroup.limit_bytes()}
+        identity["cgroup"] = {
+            "version": cgroup.version,
+            "path": cgroup.path,
+            "folder": str(cgroup.folder),
+            "oom_counter_file": str(cgroup.oom_counter_file),
+            "oom_kills": cgroup.oom_kills(),
+            "limit_bytes": cgroup.limit_bytes(),
+        }
     return identity
 
 
@@ -107,7 +112,9 @@ def ensure_writable(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except PermissionError:
-        raise BadInput(f"results folder {folder} cannot be created by uid {os.getuid()}: permission denied") from None
+        raise BadInput(
+            f"results folder {folder} cannot be created by uid {os.getuid()}: permission denied"
+        ) from None
     except OSError as error:
         raise BadInput(f"results folder {folder} cannot be created: {error.strerror}") from None
     if not folder.is_dir():
@@ -140,9 +147,15 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
             stopped_for_memory = read_state(run_dir).get("stopped") == "memory"
             changed = _resizable_difference(saved.read_text(), resolved) if stopped_for_memory else None
             if not changed:
-                hint = (" (a run the memory guard stopped may change only training.batch_size and "
-                        "data.input_shape)" if stopped_for_memory else "")
-                raise BadInput(f"run {run_dir} exists with a different config; choose another --run-name{hint}")
+                hint = (
+                    " (a run the memory guard stopped may change only training.batch_size and "
+                    "data.input_shape)"
+                    if stopped_for_memory
+                    else ""
+                )
+                raise BadInput(
+                    f"run {run_dir} exists with a different config; choose another --run-name{hint}"
+                )
             print(f"bigmem-train: resuming {run_dir.name} with a new {' and '.join(changed)}", flush=True)
         if not (run_dir / STATE_FILE).exists() and any(run_dir.iterdir()):
             raise BadInput(f"{run_dir} exists and is not a bigmem-train run; choose another --run-name")
@@ -158,7 +171,9 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
         resuming = False
     (run_dir / "config.yaml").write_text(resolved)
     # A resumed run drops what the last session ended with (the guard's stop, an error).
-    state = {key: value for key, value in read_state(run_dir).items() if key not in {"stopped", "error", "guard"}}
+    state = {
+        key: value for key, value in read_state(run_dir).items() if key not in {"stopped", "error", "guard"}
+    }
     if state:
         write_json(run_dir / STATE_FILE, state)
     set_state(run_dir, RUNNING, **process_identity())

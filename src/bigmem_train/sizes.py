@@ -54,7 +54,9 @@ def parse_size(text: str | int | float, host_total_bytes: int | None = None) -> 
             raise BadInput(f"size {text!r} is a share of the host, but the host memory is unknown")
         return int(host_total_bytes * number / 100)
     if unit not in _UNITS:
-        raise BadInput(f"size {text!r} has an unknown unit {match.group(2)!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %)")
+        raise BadInput(
+            f"size {text!r} has an unknown unit {match.group(2)!r} (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB or %)"
+        )
     return int(number * _UNITS[unit])
 
 

@@ -68,14 +68,24 @@ def write_synthetic_dataset(out_dir: Path, cases: int, shape: tuple[int, int, in
     if cases < 1:
         raise BadInput(f"synthetic dataset: need at least 1 case, got {cases}")
     if len(shape) != 3 or any(edge < 4 for edge in shape):
-        raise BadInput(f"synthetic dataset: shape must be three edges of at least 4 voxels, got {list(shape)}")
-    parameters = {"generator": "bigmem_train.synth", "version": GENERATOR_VERSION,
-                  "cases": cases, "shape": list(shape), "seed": seed}
+        raise BadInput(
+            f"synthetic dataset: shape must be three edges of at least 4 voxels, got {list(shape)}"
+        )
+    parameters = {
+        "generator": "bigmem_train.synth",
+        "version": GENERATOR_VERSION,
+        "cases": cases,
+        "shape": list(shape),
+        "seed": seed,
+    }
 
     state = _folder_state(out_dir, parameters)
     if state == "complete":
-        print(f"synthetic dataset: reusing {out_dir} ({cases} cases of {'x'.join(map(str, shape))})",
-              file=sys.stderr, flush=True)
+        print(
+            f"synthetic dataset: reusing {out_dir} ({cases} cases of {'x'.join(map(str, shape))})",
+            file=sys.stderr,
+            flush=True,
+        )
         return out_dir
     if state == "other-parameters":
         _remove_our_files(out_dir)
@@ -87,8 +97,11 @@ def write_synthetic_dataset(out_dir: Path, cases: int, shape: tuple[int, int, in
     except OSError as error:
         raise BadInput(f"synthetic dataset {out_dir}: cannot write: {error.strerror or error}") from None
 
-    print(f"synthetic dataset: writing {cases} cases of {'x'.join(map(str, shape))} to {out_dir}",
-          file=sys.stderr, flush=True)
+    print(
+        f"synthetic dataset: writing {cases} cases of {'x'.join(map(str, shape))} to {out_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
     report_every = max(1, cases // 10)
     for index in range(1, cases + 1):
         name = case_name(index)
@@ -121,7 +134,10 @@ def _dataset_json(cases: int, parameters: dict) -> dict:
         "numTraining": cases,
         "numTest": 0,
         "training": [
-            {"image": f"./imagesTr/{case_name(index)}.nii.gz", "label": f"./labelsTr/{case_name(index)}.nii.gz"}
+            {
+                "image": f"./imagesTr/{case_name(index)}.nii.gz",
+                "label": f"./labelsTr/{case_name(index)}.nii.gz",
+            }
             for index in range(1, cases + 1)
         ],
         "test": [],
@@ -130,7 +146,7 @@ def _dataset_json(cases: int, parameters: dict) -> dict:
 
 
 def _folder_state(out_dir: Path, parameters: dict) -> str:
-    """"new" (absent or empty), "complete", "resume" (ours, same parameters), "other-parameters" (ours)."""
+    """ "new" (absent or empty), "complete", "resume" (ours, same parameters), "other-parameters" (ours)."""
     if out_dir.exists() and not out_dir.is_dir():
         raise BadInput(f"synthetic dataset {out_dir}: exists and is not a folder")
     if not out_dir.exists() or not any(out_dir.iterdir()):
@@ -150,15 +166,21 @@ def _folder_state(out_dir: Path, parameters: dict) -> str:
         except (OSError, ValueError):
             previous = None
     if previous is None:
-        raise BadInput(f"synthetic dataset {out_dir}: folder is not empty and holds no synthetic dataset; "
-                       "refusing to overwrite it (choose an empty or new folder)")
+        raise BadInput(
+            f"synthetic dataset {out_dir}: folder is not empty and holds no synthetic dataset; "
+            "refusing to overwrite it (choose an empty or new folder)"
+        )
     if previous != parameters:
         return "other-parameters"
     complete = all(
         (out_dir / entry["image"]).is_file() and (out_dir / entry["label"]).is_file()
         for entry in index.get("training", [])
     )
-    return "complete" if complete and len(index.get("training", [])) == parameters["cases"] else "other-parameters"
+    return (
+        "complete"
+        if complete and len(index.get("training", [])) == parameters["cases"]
+        else "other-parameters"
+    )
 
 
 def _remove_our_files(out_dir: Path) -> None:
@@ -258,8 +280,14 @@ def synthesize_case(shape: tuple[int, int, int], rng: np.random.Generator) -> tu
     low = np.clip(np.floor(tumour_centre).astype(int) - reach, 0, shape)
     high = np.clip(np.floor(tumour_centre).astype(int) + reach + 1, 0, shape)
     box = tuple(slice(int(start), int(stop)) for start, stop in zip(low, high))
-    offsets = np.meshgrid(*(np.arange(start, stop, dtype=np.float32) - np.float32(tumour_centre[axis])
-                            for axis, (start, stop) in enumerate(zip(low, high))), indexing="ij", sparse=True)
+    offsets = np.meshgrid(
+        *(
+            np.arange(start, stop, dtype=np.float32) - np.float32(tumour_centre[axis])
+            for axis, (start, stop) in enumerate(zip(low, high))
+        ),
+        indexing="ij",
+        sparse=True,
+    )
     edema = _blob_distance(rng, offsets, edema_radius) < 1
     core = _blob_distance(rng, offsets, core_radius) < 1
     necrotic = _blob_distance(rng, offsets, core_radius * rng.uniform(0.4, 0.65)) < 1

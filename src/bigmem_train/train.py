@@ -87,8 +87,15 @@ class StepTimer:
                 self.durations.append(seconds)
                 self._writer.writerow([self.epoch, batch, f"{seconds:.4f}", f"{time.time():.3f}"])
                 self._handle.flush()
-                write_json(progress_path, {"epoch": self.epoch, "step": batch + 1,
-                                           "steps_per_epoch": steps_per_epoch, "time_unix": time.time()})
+                write_json(
+                    progress_path,
+                    {
+                        "epoch": self.epoch,
+                        "step": batch + 1,
+                        "steps_per_epoch": steps_per_epoch,
+                        "time_unix": time.time(),
+                    },
+                )
 
             def on_train_end(self, logs=None):
                 self._handle.close()
@@ -96,8 +103,13 @@ class StepTimer:
         return _StepTimer()
 
 
-def compute_metrics(run_dir: Path, config: Config, plan: JobPlan | None,
-                    session_peak_bytes: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def compute_metrics(
+    run_dir: Path,
+    config: Config,
+    plan: JobPlan | None,
+    session_peak_bytes: int = 0,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Figures of a run from its files (history, steps, memory), so a rerun of a stage agrees."""
     history = read_history(run_dir / "history.csv")
     steps = read_step_seconds(run_dir / "steps.csv")
@@ -112,7 +124,7 @@ def compute_metrics(run_dir: Path, config: Config, plan: JobPlan | None,
     val_dice = [row["val_dice"] for row in history if "val_dice" in row and not math.isnan(row["val_dice"])]
     val_hard = [row["val_hard_dice"] for row in history if "val_hard_dice" in row]
     node_peaks = {}
-    for key in (memory[0].keys() if memory else []):
+    for key in memory[0].keys() if memory else []:
         if key.startswith("node") and key.endswith("_bytes"):
             node_peaks[key[: -len("_bytes")]] = int(max(row.get(key, 0) for row in memory))
     huge_peak = int(max((row.get("anon_hugepages_bytes", 0) for row in memory), default=0))
@@ -169,8 +181,14 @@ def _fit(model, datasets, config: Config, callbacks: list) -> None:
     )
 
 
-def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan | None,
-          host: HostFacts, resuming: bool = False) -> dict[str, Any]:
+def train(
+    config: Config,
+    run_dir: Path,
+    cases: tuple[list, list],
+    plan: JobPlan | None,
+    host: HostFacts,
+    resuming: bool = False,
+) -> dict[str, Any]:
     """Train the configured U-Net; write history, steps, memory, checkpoints and metrics.json."""
     intra, inter = choose_threads(config, host, plan.placement.cpus if plan else None)
     tf = start_tensorflow(intra, inter, start_runtime=config.training.strategy != "multi_worker")
@@ -195,7 +213,9 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
     step_timer = StepTimer.create(run_dir / "steps.csv", run_dir / "progress.json", datasets.train_steps)
-    backup = keras.callbacks.BackupAndRestore(str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True)
+    backup = keras.callbacks.BackupAndRestore(
+        str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True
+    )
     probe = MemoryProbe()
     planned_peak = plan.peak_bytes if plan else None
     guard = MemoryGuard.for_config(config, planned_peak, probe) if config.guard.enabled else None
@@ -204,8 +224,9 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
         step_timer,
         keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True),
         keras.callbacks.ModelCheckpoint(str(checkpoints / "last.keras")),
-        keras.callbacks.ModelCheckpoint(str(checkpoints / "best.keras"), monitor="val_dice", mode="max",
-                                        save_best_only=True),
+        keras.callbacks.ModelCheckpoint(
+            str(checkpoints / "best.keras"), monitor="val_dice", mode="max", save_best_only=True
+        ),
     ]
     if config.output.tensorboard:
         callbacks.append(keras.callbacks.TensorBoard(str(run_dir / "tensorboard"), update_freq="epoch"))
@@ -213,25 +234,39 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
         # After the step timer, so the step that tripped it is recorded.
         callbacks.insert(2, guard_callback(guard, backup, config, run_dir.name))
     if is_chief:
-        callbacks.append(progress_callback(config.training.epochs, datasets.train_steps,
-                                           plan.peak_bytes if plan else None))
+        callbacks.append(
+            progress_callback(config.training.epochs, datasets.train_steps, plan.peak_bytes if plan else None)
+        )
 
     build = tensorflow_build_info()
     numa_nodes = [node.node_id for node in host.numa_nodes]
-    print(f"bigmem-train: training {config.data.input_shape} x batch {config.training.batch_size}, "
-          f"{datasets.train_steps} steps/epoch, {config.training.epochs} epochs, threads {intra}/{inter}, "
-          f"oneDNN {'on' if build['onednn_enabled'] else 'off'}"
-          + (" (resuming from backup)" if resuming else ""), flush=True)
+    print(
+        f"bigmem-train: training {config.data.input_shape} x batch {config.training.batch_size}, "
+        f"{datasets.train_steps} steps/epoch, {config.training.epochs} epochs, threads {intra}/{inter}, "
+        f"oneDNN {'on' if build['onednn_enabled'] else 'off'}"
+        + (" (resuming from backup)" if resuming else ""),
+        flush=True,
+    )
     started = time.time()
     listeners = [guard.observe] if guard is not None else []
-    print(f"bigmem-train: memory measured as {probe.measure}"
-          + (f" ({probe.cgroup.path}, limit {format_bytes(probe.cgroup.limit_bytes())})"
-             if probe.cgroup is not None and probe.cgroup.limit_bytes() else "")
-          + (f"; guard stops at {config.guard.threshold:.0%} of usable memory" if guard is not None else "; guard off"),
-          flush=True)
+    print(
+        f"bigmem-train: memory measured as {probe.measure}"
+        + (
+            f" ({probe.cgroup.path}, limit {format_bytes(probe.cgroup.limit_bytes())})"
+            if probe.cgroup is not None and probe.cgroup.limit_bytes()
+            else ""
+        )
+        + (
+            f"; guard stops at {config.guard.threshold:.0%} of usable memory"
+            if guard is not None
+            else "; guard off"
+        ),
+        flush=True,
+    )
     stopped: MemoryStopped | None = None
-    with MemorySampler(run_dir / "memory.csv", config.output.sample_interval, numa_nodes, probe=probe,
-                       listeners=listeners) as sampler:
+    with MemorySampler(
+        run_dir / "memory.csv", config.output.sample_interval, numa_nodes, probe=probe, listeners=listeners
+    ) as sampler:
         try:
             _fit(model, datasets, config, callbacks)
         except MemoryStopped as error:
@@ -260,13 +295,23 @@ def train(config: Config, run_dir: Path, cases: tuple[list, list], plan: JobPlan
         "strategy": config.training.strategy,
         "resumed": resuming,
         "memory_measure": probe.measure,
-        "cgroup": None if probe.cgroup is None else {
-            "version": probe.cgroup.version, "path": probe.cgroup.path, "limit_bytes": probe.cgroup.limit_bytes(),
-            "kernel_peak_bytes": probe.cgroup.peak_bytes()},
+        "cgroup": None
+        if probe.cgroup is None
+        else {
+            "version": probe.cgroup.version,
+            "path": probe.cgroup.path,
+            "limit_bytes": probe.cgroup.limit_bytes(),
+            "kernel_peak_bytes": probe.cgroup.peak_bytes(),
+        },
         "sampler_cpu_seconds": round(sampler.cpu_seconds, 3),
         "sampler_page_table_walks": sampler.walks,
-        "guard": None if guard is None else {"threshold": config.guard.threshold, "room": config.guard.room,
-                                             "stopped": stopped.record if stopped else None},
+        "guard": None
+        if guard is None
+        else {
+            "threshold": config.guard.threshold,
+            "room": config.guard.room,
+            "stopped": stopped.record if stopped else None,
+        },
     }
     metrics = compute_metrics(run_dir, config, plan, session_peak, extra)
     write_json(run_dir / "metrics.json", metrics)

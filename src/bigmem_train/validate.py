@@ -52,8 +52,11 @@ def judged_peak(run_dir: Path, metrics: dict[str, Any]) -> tuple[str, int]:
     """(measure, peak) the footprint check judges: the run's cgroup working set when its cgroup had a limit
     (what the kernel enforces), else RSS; metrics.json's ``memory_measure`` says which."""
     measure = metrics.get("memory_measure") or "rss"
-    column, figure = ("rss_bytes", "peak_rss_bytes") if measure == "rss" else \
-        ("working_set_bytes", "peak_cgroup_working_set_bytes")
+    column, figure = (
+        ("rss_bytes", "peak_rss_bytes")
+        if measure == "rss"
+        else ("working_set_bytes", "peak_cgroup_working_set_bytes")
+    )
     memory = read_memory_csv(Path(run_dir) / "memory.csv")
     return measure, max([int(metrics.get(figure) or 0)] + [int(row.get(column, 0)) for row in memory])
 
@@ -84,28 +87,41 @@ def evaluate(run_dir: Path) -> Verdict:
         finished_detail += f"; {len(history)} of {config.training.epochs} epochs finished"
     elif state_file.get("stopped") == "memory":
         finished_detail = f"stopped by the memory guard: {state_file.get('message', '')}"
-    criteria.append(Criterion("finished", state == FINISHED and config.training.epochs <= len(history),
-                              finished_detail))
+    criteria.append(
+        Criterion("finished", state == FINISHED and config.training.epochs <= len(history), finished_detail)
+    )
 
     values = [value for row in history for key, value in row.items() if key != "epoch"]
     nan_count = sum(1 for value in values if not math.isfinite(value))
-    criteria.append(Criterion("no_nan", bool(history) and nan_count == 0,
-                              f"{nan_count} non-finite values in history.csv" if history else "history.csv is empty"))
+    criteria.append(
+        Criterion(
+            "no_nan",
+            bool(history) and nan_count == 0,
+            f"{nan_count} non-finite values in history.csv" if history else "history.csv is empty",
+        )
+    )
 
     losses = [row["loss"] for row in history if "loss" in row]
     if config.validation.require_loss_decrease:
         fell = len(losses) >= 2 and losses[-1] < losses[0]
-        detail = (f"training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no training loss recorded")
+        detail = (
+            f"training loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no training loss recorded"
+        )
         criteria.append(Criterion("loss_fell", fell, detail))
 
     column = "val_hard_dice" if config.validation.dice_metric == "hard" else "val_dice"
     dice = [row[column] for row in history if column in row and math.isfinite(row[column])]
     best = max(dice) if dice else None
     floor = config.validation.dice_floor
-    criteria.append(Criterion(
-        "dice_floor", best is not None and best >= floor,
-        f"best validation {config.validation.dice_metric} Dice {best:.4f} vs floor {floor}" if best is not None
-        else f"no validation {config.validation.dice_metric} Dice recorded"))
+    criteria.append(
+        Criterion(
+            "dice_floor",
+            best is not None and best >= floor,
+            f"best validation {config.validation.dice_metric} Dice {best:.4f} vs floor {floor}"
+            if best is not None
+            else f"no validation {config.validation.dice_metric} Dice recorded",
+        )
+    )
 
     memory = read_memory_csv(run_dir / "memory.csv")
     peak = max([int(metrics.get("peak_rss_bytes") or 0)] + [int(row.get("rss_bytes", 0)) for row in memory])
@@ -114,21 +130,30 @@ def evaluate(run_dir: Path) -> Verdict:
     if target:
         measure, judged = judged_peak(run_dir, metrics)
         distance = abs(judged - target) / target
-        criteria.append(Criterion(
-            "footprint", distance <= tolerance,
-            f"peak {format_bytes(judged)} ({MEASURE_NAMES.get(measure, measure)}) vs target {format_bytes(target)}: "
-            f"{distance:.1%} off, tolerance {tolerance:.0%}"))
+        criteria.append(
+            Criterion(
+                "footprint",
+                distance <= tolerance,
+                f"peak {format_bytes(judged)} ({MEASURE_NAMES.get(measure, measure)}) "
+                f"vs target {format_bytes(target)}: "
+                f"{distance:.1%} off, tolerance {tolerance:.0%}",
+            )
+        )
     planned = metrics.get("planned_peak_bytes")
     if planned and peak:
         # Every run checks the planner (which models resident memory) against the measured RSS peak: a plan
         # off by more than the tolerance would let preflight accept a job the host cannot hold (under) or
         # refuse one it can (over).
         error = (planned - peak) / peak
-        criteria.append(Criterion(
-            "plan", abs(error) <= tolerance or abs(planned - peak) <= PLAN_CHECK_FLOOR_BYTES,
-            f"planned {format_bytes(planned)} vs measured peak {format_bytes(peak)} (RSS): {error:+.1%} "
-            f"({'under' if error < 0 else 'over'}-predicted), tolerance {tolerance:.0%} or "
-            f"{PLAN_CHECK_FLOOR_BYTES / 2**30:.2f} GiB"))
+        criteria.append(
+            Criterion(
+                "plan",
+                abs(error) <= tolerance or abs(planned - peak) <= PLAN_CHECK_FLOOR_BYTES,
+                f"planned {format_bytes(planned)} vs measured peak {format_bytes(peak)} (RSS): {error:+.1%} "
+                f"({'under' if error < 0 else 'over'}-predicted), tolerance {tolerance:.0%} or "
+                f"{PLAN_CHECK_FLOOR_BYTES / 2**30:.2f} GiB",
+            )
+        )
 
     verdict = "PASS" if all(criterion.passed for criterion in criteria) else "FAIL"
     return Verdict(verdict, criteria, str(run_dir))
@@ -144,8 +169,10 @@ def validate_run(run_dir: Path) -> Verdict:
 
 def format_verdict(verdict: Verdict) -> str:
     """The verdict as a person reads it: one line per criterion, then PASS or FAIL and the run."""
-    lines = [f"  [{'ok' if criterion.passed else 'FAIL'}] {criterion.name}: {criterion.detail}"
-             for criterion in verdict.criteria]
+    lines = [
+        f"  [{'ok' if criterion.passed else 'FAIL'}] {criterion.name}: {criterion.detail}"
+        for criterion in verdict.criteria
+    ]
     if verdict.passed:
         lines.append(f"PASS {verdict.run_dir}")
     else:

@@ -23,8 +23,17 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 UID = CONTAINER_UID
 HARDENED = [
-    "--network", "none", "--read-only", "--tmpfs", "/tmp", "--cap-drop", "ALL",
-    "--security-opt", "no-new-privileges", "--user", f"{UID}:{UID}",
+    "--network",
+    "none",
+    "--read-only",
+    "--tmpfs",
+    "/tmp",
+    "--cap-drop",
+    "ALL",
+    "--security-opt",
+    "no-new-privileges",
+    "--user",
+    f"{UID}:{UID}",
 ]
 JEMALLOC = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
@@ -32,8 +41,13 @@ TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 SHORT = ["--set", "validation.dice_floor=0.0", "--set", "validation.require_loss_decrease=false"]
 
 
-def docker_run(image: str, *args: str, options: list[str] | None = None, entrypoint: str | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def docker_run(
+    image: str,
+    *args: str,
+    options: list[str] | None = None,
+    entrypoint: str | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
     command = ["docker", "run", "--rm", *HARDENED, *(options or [])]
     if entrypoint:
         command += ["--entrypoint", entrypoint]
@@ -53,8 +67,12 @@ def only_run_dir(results: Path) -> Path:
 
 
 def labels(image: str) -> dict[str, str]:
-    output = subprocess.run(["docker", "image", "inspect", "-f", "{{json .Config.Labels}}", image],
-                            capture_output=True, text=True, check=True).stdout
+    output = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{json .Config.Labels}}", image],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(output)
 
 
@@ -76,8 +94,12 @@ def test_help_exits_0(bigmem_image: str) -> None:
 
 def test_user_is_not_root(bigmem_image: str) -> None:
     # Without --user: the image's own default user.
-    result = subprocess.run(["docker", "run", "--rm", "--entrypoint", "id", bigmem_image],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        ["docker", "run", "--rm", "--entrypoint", "id", bigmem_image],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"uid={UID}(bigmem) gid={UID}(bigmem)"), result.stdout
 
@@ -101,8 +123,14 @@ def test_runtime_inside_the_hardened_container(bigmem_image: str) -> None:
     assert facts["pip"] is None and facts["gcc"] is None
     assert facts["python"] == [3, 11]
     for library in (JEMALLOC, TCMALLOC):
-        preload = docker_run(bigmem_image, "-c", "import tensorflow as tf; print(tf.reduce_sum(tf.ones([64, 64])).numpy())",
-                             options=["--env", f"LD_PRELOAD={library}"], entrypoint="python", timeout=180)
+        preload = docker_run(
+            bigmem_image,
+            "-c",
+            "import tensorflow as tf; print(tf.reduce_sum(tf.ones([64, 64])).numpy())",
+            options=["--env", f"LD_PRELOAD={library}"],
+            entrypoint="python",
+            timeout=180,
+        )
         assert preload.returncode == 0, f"{library}: {preload.stderr[-2000:]}"
         assert preload.stdout.strip().endswith("4096.0")
         assert "cannot be preloaded" not in preload.stderr
@@ -111,7 +139,9 @@ def test_runtime_inside_the_hardened_container(bigmem_image: str) -> None:
 def test_bad_config_exits_2_through_docker_run(bigmem_image: str, tmp_path: Path) -> None:
     results = results_folder(tmp_path / "results")
     (results / "bad.yaml").write_text("training:\n  epochz: 3\n")
-    result = docker_run(bigmem_image, "run", "--config", "/results/bad.yaml", options=["-v", f"{results}:/results"])
+    result = docker_run(
+        bigmem_image, "run", "--config", "/results/bad.yaml", options=["-v", f"{results}:/results"]
+    )
     assert result.returncode == 2, result.stderr
     assert "training.epochz: unknown key" in result.stderr
     assert "Traceback" not in result.stderr
@@ -121,8 +151,17 @@ def test_bad_config_exits_2_through_docker_run(bigmem_image: str, tmp_path: Path
 def test_does_not_fit_exits_3_through_docker_run(bigmem_image: str, tmp_path: Path) -> None:
     results = results_folder(tmp_path / "results")
     # The study's job (about 1 TB at batch 16) on synthetic data: refused by preflight before any write.
-    result = docker_run(bigmem_image, "run", "--results", "/results", "--config", "study",
-                        "--set", "data.source=synthetic", options=["-v", f"{results}:/results"])
+    result = docker_run(
+        bigmem_image,
+        "run",
+        "--results",
+        "/results",
+        "--config",
+        "study",
+        "--set",
+        "data.source=synthetic",
+        options=["-v", f"{results}:/results"],
+    )
     assert result.returncode == 3, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
     assert "exceeds" in result.stderr
@@ -141,14 +180,18 @@ def test_results_folder_of_another_uid_exits_2_with_one_line(bigmem_image: str, 
 
 
 @pytest.fixture(scope="module")
-def default_run(bigmem_image: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], Path]:
+def default_run(
+    bigmem_image: str, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
     """The one full default job: `docker run` with no command, hardened, results mounted."""
     results = results_folder(tmp_path_factory.mktemp("default") / "results")
     result = docker_run(bigmem_image, options=["-v", f"{results}:/results"], timeout=1800)
     return result, results
 
 
-def test_default_job_passes_in_the_hardened_container(default_run: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+def test_default_job_passes_in_the_hardened_container(
+    default_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
     result, results = default_run
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout
@@ -163,7 +206,9 @@ def test_default_job_passes_in_the_hardened_container(default_run: tuple[subproc
         assert path.stat().st_uid == UID, f"{path} is not owned by the container user"
 
 
-def test_validation_failure_exits_1_through_docker_run(bigmem_image: str, default_run, tmp_path: Path) -> None:
+def test_validation_failure_exits_1_through_docker_run(
+    bigmem_image: str, default_run, tmp_path: Path
+) -> None:
     _, results = default_run
     copy = results_folder(tmp_path / "results")
     shutil.copytree(only_run_dir(results), copy / "strict", dirs_exist_ok=True)
@@ -179,19 +224,50 @@ def test_validation_failure_exits_1_through_docker_run(bigmem_image: str, defaul
 def test_real_data_read_only_with_a_rendered_config(bigmem_image: str, tmp_path: Path) -> None:
     """A Decathlon-layout folder mounted read-only at /data, a config rendered into /results, jemalloc."""
     dataset = results_folder(tmp_path / "Task01_BrainTumour")
-    synth = docker_run(bigmem_image, "synth", "--out", "/data", "--cases", "6", "--shape", "40,40,24",
-                       options=["-v", f"{dataset}:/data"])
+    synth = docker_run(
+        bigmem_image,
+        "synth",
+        "--out",
+        "/data",
+        "--cases",
+        "6",
+        "--shape",
+        "40,40,24",
+        options=["-v", f"{dataset}:/data"],
+    )
     assert synth.returncode == 0, synth.stderr
     assert (dataset / "dataset.json").is_file()
     results = results_folder(tmp_path / "results")
-    render = docker_run(bigmem_image, "render", "train.yaml.j2", "--out", "/results/train.yaml",
-                        "--var", "dataset_path=/data", "--var", "results_dir=/results", "--var", "allocator=jemalloc",
-                        "--var", "epochs=2", options=["-v", f"{results}:/results"])
+    render = docker_run(
+        bigmem_image,
+        "render",
+        "train.yaml.j2",
+        "--out",
+        "/results/train.yaml",
+        "--var",
+        "dataset_path=/data",
+        "--var",
+        "results_dir=/results",
+        "--var",
+        "allocator=jemalloc",
+        "--var",
+        "epochs=2",
+        options=["-v", f"{results}:/results"],
+    )
     assert render.returncode == 0, render.stderr
     config = yaml.safe_load((results / "train.yaml").read_text())
     assert config["data"]["source"] == "decathlon" and config["data"]["path"] == "/data"
-    result = docker_run(bigmem_image, "run", "--config", "/results/train.yaml", "--run-name", "real", *SHORT,
-                        options=["-v", f"{dataset}:/data:ro", "-v", f"{results}:/results"], timeout=900)
+    result = docker_run(
+        bigmem_image,
+        "run",
+        "--config",
+        "/results/train.yaml",
+        "--run-name",
+        "real",
+        *SHORT,
+        options=["-v", f"{dataset}:/data:ro", "-v", f"{results}:/results"],
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"LD_PRELOAD={JEMALLOC}" in result.stdout
     verdict = json.loads((results / "real" / "verdict.json").read_text())

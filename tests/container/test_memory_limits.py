@@ -50,15 +50,47 @@ def test_guard_exit_3_passes_through_docker_run(bigmem_image: str, tmp_path: Pat
     _job(results, epochs=14)
     name = f"bigmem-test-guard-{os.getpid()}"
     limit = 1024 * MIB
-    started = _docker("run", "-d", "--name", name, "--memory", str(limit), "--memory-swap", str(limit), *HARDENED,
-                      "-v", f"{results}:/results", bigmem_image, "run", "--config", "/results/tiny.yaml",
-                      "--run-name", "guarded")
+    started = _docker(
+        "run",
+        "-d",
+        "--name",
+        name,
+        "--memory",
+        str(limit),
+        "--memory-swap",
+        str(limit),
+        *HARDENED,
+        "-v",
+        f"{results}:/results",
+        bigmem_image,
+        "run",
+        "--config",
+        "/results/tiny.yaml",
+        "--run-name",
+        "guarded",
+    )
     assert started.returncode == 0, started.stderr
     try:
-        usage = ("/sys/fs/cgroup/memory/memory.usage_in_bytes" if _cgroup_version() == "1"
-                 else "/sys/fs/cgroup/memory.current")
-        tenant = _docker("exec", "-d", name, "python", "-c", TENANT, "/results/guarded/history.csv", "2", usage,
-                         str(limit), "0.75", "8", "0.95")
+        usage = (
+            "/sys/fs/cgroup/memory/memory.usage_in_bytes"
+            if _cgroup_version() == "1"
+            else "/sys/fs/cgroup/memory.current"
+        )
+        tenant = _docker(
+            "exec",
+            "-d",
+            name,
+            "python",
+            "-c",
+            TENANT,
+            "/results/guarded/history.csv",
+            "2",
+            usage,
+            str(limit),
+            "0.75",
+            "8",
+            "0.95",
+        )
         assert tenant.returncode == 0, tenant.stderr
         waited = _docker("wait", name, timeout=600)
         state = json.loads(_docker("inspect", "--format", "{{json .State}}", name).stdout)
@@ -73,7 +105,11 @@ def test_guard_exit_3_passes_through_docker_run(bigmem_image: str, tmp_path: Pat
     run_state = json.loads((results / "guarded" / "state.json").read_text())
     assert (run_state["state"], run_state["stopped"]) == ("stopped", "memory")
     finished = len((results / "guarded" / "history.csv").read_text().strip().splitlines()) - 1
-    assert json.loads((results / "guarded" / "backup" / "training_metadata.json").read_text())["epoch"] == finished >= 1
+    assert (
+        json.loads((results / "guarded" / "backup" / "training_metadata.json").read_text())["epoch"]
+        == finished
+        >= 1
+    )
 
 
 def test_oom_kill_in_the_container_is_named(bigmem_image: str, tmp_path: Path) -> None:
@@ -85,14 +121,32 @@ def test_oom_kill_in_the_container_is_named(bigmem_image: str, tmp_path: Path) -
     (results / "cache").mkdir()
     chown_tree(results)
     common = [*HARDENED, "-v", f"{results}:/results", "-e", "BIGMEM_CACHE_DIR=/results/cache"]
-    planned = _docker("run", "--rm", *common, bigmem_image, "plan", "--config", "/results/tiny.yaml", timeout=300)
+    planned = _docker(
+        "run", "--rm", *common, bigmem_image, "plan", "--config", "/results/tiny.yaml", timeout=300
+    )
     assert planned.returncode == 0, planned.stderr
     name = f"bigmem-test-oom-{os.getpid()}"
     limit = 300 * MIB
     try:
-        run = _docker("run", "--name", name, "--memory", str(limit), "--memory-swap", str(limit), *common,
-                      "-e", "BIGMEM_CALIBRATION=/results/calibration.json", bigmem_image, "run", "--config",
-                      "/results/tiny.yaml", "--run-name", "killed", timeout=600)
+        run = _docker(
+            "run",
+            "--name",
+            name,
+            "--memory",
+            str(limit),
+            "--memory-swap",
+            str(limit),
+            *common,
+            "-e",
+            "BIGMEM_CALIBRATION=/results/calibration.json",
+            bigmem_image,
+            "run",
+            "--config",
+            "/results/tiny.yaml",
+            "--run-name",
+            "killed",
+            timeout=600,
+        )
         state = json.loads(_docker("inspect", "--format", "{{json .State}}", name).stdout)
         # On the host, with the container still there to ask.
         validated = bigmem("validate", results / "killed")

@@ -13,8 +13,14 @@ from tests.fixtures.common import write_tiny_job
 def bigmem(*args, cwd=None, timeout=900, env=None):
     """Run the CLI as a user would; returns the CompletedProcess (text)."""
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "bigmem_train.cli", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=timeout, env=environment)
+    return subprocess.run(
+        [sys.executable, "-m", "bigmem_train.cli", *map(str, args)],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+    )
 
 
 @pytest.fixture

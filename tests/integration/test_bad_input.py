@@ -19,12 +19,16 @@ def assert_one_line_error(result, fragment):
 
 def test_typo_in_config_is_refused_before_tensorflow(tmp_path):
     config = tmp_path / "job.yaml"
-    config.write_text(f"training:\n  epochs: 2\n  batchsize: 4\noutput:\n  results_dir: {tmp_path / 'results'}\n")
+    config.write_text(
+        f"training:\n  epochs: 2\n  batchsize: 4\noutput:\n  results_dir: {tmp_path / 'results'}\n"
+    )
     code = (
         "import sys; from bigmem_train.cli import main; rc = main(['run', '--config', sys.argv[1]]);"
         "print('TF_IMPORTED' if 'tensorflow' in sys.modules else 'NO_TF'); sys.exit(rc)"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(config)], capture_output=True, text=True, timeout=120
+    )
     assert_one_line_error(result, "training.batchsize: unknown key")
     assert "NO_TF" in result.stdout
     assert not (tmp_path / "results").exists()
@@ -33,8 +37,13 @@ def test_typo_in_config_is_refused_before_tensorflow(tmp_path):
 def test_unknown_flag_and_bad_override(tmp_path):
     assert bigmem("run", "--no-such-flag").returncode == 2
     assert_one_line_error(bigmem("run", "--set", "training.epochs=zero"), "training.epochs")
-    assert_one_line_error(bigmem("plan", "--target", "12 parsecs"), "--target 12 parsecs: size '12 parsecs' has an unknown unit 'parsecs'")
-    assert_one_line_error(bigmem("plan", "--target", "0"), "--target 0: size '0': a memory target must be more than 0")
+    assert_one_line_error(
+        bigmem("plan", "--target", "12 parsecs"),
+        "--target 12 parsecs: size '12 parsecs' has an unknown unit 'parsecs'",
+    )
+    assert_one_line_error(
+        bigmem("plan", "--target", "0"), "--target 0: size '0': a memory target must be more than 0"
+    )
 
 
 def test_unreachable_target_is_refused_before_the_run(tmp_path):
@@ -61,8 +70,19 @@ def test_truncated_nifti_names_the_file_and_leaves_no_finished_run(tmp_path):
     blob = victim.read_bytes()
     victim.write_bytes(blob[: len(blob) // 2])
     results = tmp_path / "results"
-    result = bigmem("run", "--data", data, "--results", results, "--set", "data.input_shape=[32,32,16]",
-                    "--set", "training.batch_size=1", "--set", "model.base_filters=4")
+    result = bigmem(
+        "run",
+        "--data",
+        data,
+        "--results",
+        results,
+        "--set",
+        "data.input_shape=[32,32,16]",
+        "--set",
+        "training.batch_size=1",
+        "--set",
+        "model.base_filters=4",
+    )
     assert_one_line_error(result, victim.name)
     runs = list(results.glob("run-*")) if results.exists() else []
     assert not runs, f"a run directory was left behind: {runs}"
@@ -74,16 +94,28 @@ def test_corrupt_gzip_header(tmp_path):
     index = json.loads((data / "dataset.json").read_text())
     victim = data / index["training"][0]["label"]
     victim.write_bytes(gzip.compress(b"this is not a NIfTI file at all" * 10))
-    result = bigmem("run", "--data", data, "--results", tmp_path / "results", "--set", "data.input_shape=[32,32,16]",
-                    "--set", "training.batch_size=1")
+    result = bigmem(
+        "run",
+        "--data",
+        data,
+        "--results",
+        tmp_path / "results",
+        "--set",
+        "data.input_shape=[32,32,16]",
+        "--set",
+        "training.batch_size=1",
+    )
     assert_one_line_error(result, victim.name)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["synth", "--out", "X", "--shape", "1,2"], "--shape"),
-    (["validate", "/nonexistent/run"], "does not exist"),
-    (["report", "/nonexistent/run"], "not a bigmem-train run"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["synth", "--out", "X", "--shape", "1,2"], "--shape"),
+        (["validate", "/nonexistent/run"], "does not exist"),
+        (["report", "/nonexistent/run"], "not a bigmem-train run"),
+    ],
+)
 def test_other_commands_reject_bad_input(tmp_path, args, fragment):
     args = [str(tmp_path / a) if a == "X" else a for a in args]
     assert_one_line_error(bigmem(*args), fragment)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.cgroups import MemoryCgroup, tenant_command, why_not
 from bigmem_train.memory.constants import MODEL_VERSION
+from tests.fixtures.cgroups import MemoryCgroup, tenant_command, why_not
 from tests.fixtures.common import write_tiny_job
 from tests.integration.conftest import bigmem
 
@@ -41,15 +41,30 @@ def _config(tmp_path: Path, epochs: int) -> Path:
 def lying_calibration(tmp_path: Path) -> Path:
     """Planner constants far below the truth: the plan says tens of MiB for a job that needs hundreds."""
     path = tmp_path / "calibration.json"
-    path.write_text(json.dumps({"model": MODEL_VERSION, "runtime_baseline_bytes": 40 * MIB, "activation_factor": 0.1,
-                                "workspace_factor": 1.0, "measured": {}}))
+    path.write_text(
+        json.dumps(
+            {
+                "model": MODEL_VERSION,
+                "runtime_baseline_bytes": 40 * MIB,
+                "activation_factor": 0.1,
+                "workspace_factor": 1.0,
+                "measured": {},
+            }
+        )
+    )
     return path
 
 
 def _popen(args, cgroup: MemoryCgroup, env=None) -> subprocess.Popen:
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2", **(env or {})}
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment,
-                            preexec_fn=cgroup.join)
+    return subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=environment,
+        preexec_fn=cgroup.join,
+    )
 
 
 def _end(process: subprocess.Popen) -> None:
@@ -67,11 +82,15 @@ def test_guard_stops_before_the_limit_and_the_rerun_resumes(tmp_path, version):
     run_dir = tmp_path / "results" / "guarded"
     cgroup = MemoryCgroup(version, f"bigmem-test-{os.getpid()}-guard", 1 * GIB)
     try:
-        trainer = _popen([sys.executable, "-m", "bigmem_train.cli", "run", "-c", str(config), "--run-name", "guarded"],
-                         cgroup)
+        trainer = _popen(
+            [sys.executable, "-m", "bigmem_train.cli", "run", "-c", str(config), "--run-name", "guarded"],
+            cgroup,
+        )
         # Two lines of history.csv: its header and the first finished epoch.
-        tenant = _popen(tenant_command(run_dir / "history.csv", 2, cgroup.usage_file, cgroup.limit_bytes,
-                                       slow_mib=8), cgroup)
+        tenant = _popen(
+            tenant_command(run_dir / "history.csv", 2, cgroup.usage_file, cgroup.limit_bytes, slow_mib=8),
+            cgroup,
+        )
         try:
             stdout, stderr = trainer.communicate(timeout=600)
         finally:
@@ -124,8 +143,11 @@ def test_oom_kill_is_named_by_validate(tmp_path, version):
     calibration = lying_calibration(tmp_path)
     cgroup = MemoryCgroup(version, f"bigmem-test-{os.getpid()}-oom", 300 * MIB)
     try:
-        trainer = _popen([sys.executable, "-m", "bigmem_train.cli", "run", "-c", str(config), "--run-name", "killed"],
-                         cgroup, env={"BIGMEM_CALIBRATION": str(calibration)})
+        trainer = _popen(
+            [sys.executable, "-m", "bigmem_train.cli", "run", "-c", str(config), "--run-name", "killed"],
+            cgroup,
+            env={"BIGMEM_CALIBRATION": str(calibration)},
+        )
         stdout, stderr = trainer.communicate(timeout=600)
         oom_kills = cgroup.oom_kills()
         run_dir = tmp_path / "results" / "killed"

@@ -19,9 +19,15 @@ def test_recomputed_model_matches_plain_model_and_saves():
 
     from bigmem_train.model import RecomputedBlock, build_unet, make_loss
 
-    configs = {flag: config_from_dict({"data": {"input_shape": [16, 16, 8]},
-                                       "model": {"depth": 2, "base_filters": 4, "recompute": flag}})
-               for flag in (False, True)}
+    configs = {
+        flag: config_from_dict(
+            {
+                "data": {"input_shape": [16, 16, 8]},
+                "model": {"depth": 2, "base_filters": 4, "recompute": flag},
+            }
+        )
+        for flag in (False, True)
+    }
     keras.utils.set_random_seed(0)
     plain = build_unet(configs[False].model, (16, 16, 8), 1)
     recomputed = build_unet(configs[True].model, (16, 16, 8), 1)
@@ -55,9 +61,13 @@ def test_recomputed_model_saves_and_reloads(tmp_path):
 
     from bigmem_train.model import compile_model
 
-    config = config_from_dict({"data": {"input_shape": [16, 16, 8]},
-                               "model": {"depth": 2, "base_filters": 4, "recompute": True},
-                               "training": {"batch_size": 2}})
+    config = config_from_dict(
+        {
+            "data": {"input_shape": [16, 16, 8]},
+            "model": {"depth": 2, "base_filters": 4, "recompute": True},
+            "training": {"batch_size": 2},
+        }
+    )
     model = compile_model(config)
     x = np.random.default_rng(1).random((2, 16, 16, 8, 1), dtype=np.float32)
     model.fit(x, (x > 0.7).astype(np.float32), epochs=1, verbose=0)

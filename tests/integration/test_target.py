@@ -64,7 +64,9 @@ def test_run_sized_to_a_target_peaks_within_tolerance(tmp_path: Path):
     metrics = json.loads((run_dir / "metrics.json").read_text())
     measured = metrics["peak_rss_bytes"]
     error = (recorded["peak_bytes"] - measured) / measured
-    print(f"planned {recorded['peak_bytes'] / GIB:.3f} GiB, measured {measured / GIB:.3f} GiB, error {error:+.1%}")
+    print(
+        f"planned {recorded['peak_bytes'] / GIB:.3f} GiB, measured {measured / GIB:.3f} GiB, error {error:+.1%}"
+    )
     verdict = json.loads((run_dir / "verdict.json").read_text())
     footprint = [c for c in verdict["criteria"] if c["name"] == "footprint"]
     assert footprint and footprint[0]["passed"], footprint

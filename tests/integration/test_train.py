@@ -17,9 +17,22 @@ from .conftest import bigmem
 
 pytestmark = pytest.mark.slow
 
-RUN_FILES = ["config.yaml", "host.json", "plan.json", "history.csv", "steps.csv", "memory.csv",
-             "metrics.json", "verdict.json", "report.html", "memory.png", "training.png", "state.json",
-             "checkpoints/last.keras", "checkpoints/best.keras"]
+RUN_FILES = [
+    "config.yaml",
+    "host.json",
+    "plan.json",
+    "history.csv",
+    "steps.csv",
+    "memory.csv",
+    "metrics.json",
+    "verdict.json",
+    "report.html",
+    "memory.png",
+    "training.png",
+    "state.json",
+    "checkpoints/last.keras",
+    "checkpoints/best.keras",
+]
 
 
 def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
@@ -66,10 +79,24 @@ def _epochs_logged(path):
 
 def test_killed_run_resumes_instead_of_restarting(tiny_job, tmp_path):
     run_dir = tmp_path / "results" / "resume"
-    command = [sys.executable, "-m", "bigmem_train.cli", "run", "--config", str(tiny_job), "--run-name", "resume",
-               "--set", "training.epochs=5"]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"})
+    command = [
+        sys.executable,
+        "-m",
+        "bigmem_train.cli",
+        "run",
+        "--config",
+        str(tiny_job),
+        "--run-name",
+        "resume",
+        "--set",
+        "training.epochs=5",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     deadline = time.time() + 600
     while _epochs_logged(run_dir / "history.csv") < 2 and time.time() < deadline and process.poll() is None:
         time.sleep(0.5)
@@ -92,8 +119,9 @@ def test_killed_run_resumes_instead_of_restarting(tiny_job, tmp_path):
     # Resumed: every epoch once, in order; a restart would log epoch 0 again.
     assert epochs == list(range(5)), epochs
     with open(run_dir / "steps.csv") as handle:
-        second_session_epochs = {int(row["epoch"]) for row in csv.DictReader(handle)
-                                 if float(row["time_unix"]) > killed_time}
+        second_session_epochs = {
+            int(row["epoch"]) for row in csv.DictReader(handle) if float(row["time_unix"]) > killed_time
+        }
     # The second session trained only the epochs that were not finished before the kill.
     assert min(second_session_epochs) == killed_at and max(second_session_epochs) == 4, second_session_epochs
     assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"

@@ -96,8 +96,13 @@ REGISTRY_URI = f"/redfish/v1/Registries/BiosAttributeRegistry/{REGISTRY_NAME}"  
 CUSTOM_ONLY = ("ProcPwrPerf", "ProcCStates", "ProcC1E", "ProcTurboMode", "MemFrequency")
 ENABLED_DISABLED = ["Enabled", "Disabled"]
 ENUMERATIONS = {
-    "SysProfile": ["PerfPerWattOptimizedDapc", "PerfPerWattOptimizedOs", "PerfOptimized", "DenseCfgOptimized",
-                   "Custom"],
+    "SysProfile": [
+        "PerfPerWattOptimizedDapc",
+        "PerfPerWattOptimizedOs",
+        "PerfOptimized",
+        "DenseCfgOptimized",
+        "Custom",
+    ],
     "ProcPwrPerf": ["SysDbpm", "MaxPerf", "OsDbpm"],
     "ProcCStates": ENABLED_DISABLED,
     "ProcC1E": ENABLED_DISABLED,
@@ -118,22 +123,45 @@ def system_uuid(name: str) -> str:
 
 
 def redfish_error(status: int, message_id: str, message: str, resolution: str = "") -> flask.Response:
-    body = {"error": {"code": "Base.1.12.GeneralError", "message": message, "@Message.ExtendedInfo": [
-        {"MessageId": message_id, "Message": message, "Resolution": resolution, "Severity": "Critical"}]}}
+    body = {
+        "error": {
+            "code": "Base.1.12.GeneralError",
+            "message": message,
+            "@Message.ExtendedInfo": [
+                {
+                    "MessageId": message_id,
+                    "Message": message,
+                    "Resolution": resolution,
+                    "Severity": "Critical",
+                }
+            ],
+        }
+    }
     return flask.Response(json.dumps(body), status=status, content_type="application/json")
 
 
 def custom_only_dependencies() -> list[dict]:
     """Registry ``Dependencies``: each CUSTOM_ONLY attribute is read-only while SysProfile is not Custom."""
-    return [{
-        "DependencyFor": name,
-        "Type": "Map",
-        "Dependency": {
-            "MapFrom": [{"MapFromAttribute": "SysProfile", "MapFromProperty": "CurrentValue",
-                         "MapFromCondition": "NEQ", "MapFromValue": "Custom"}],
-            "MapToAttribute": name, "MapToProperty": "ReadOnly", "MapToValue": True,
-        },
-    } for name in CUSTOM_ONLY]
+    return [
+        {
+            "DependencyFor": name,
+            "Type": "Map",
+            "Dependency": {
+                "MapFrom": [
+                    {
+                        "MapFromAttribute": "SysProfile",
+                        "MapFromProperty": "CurrentValue",
+                        "MapFromCondition": "NEQ",
+                        "MapFromValue": "Custom",
+                    }
+                ],
+                "MapToAttribute": name,
+                "MapToProperty": "ReadOnly",
+                "MapToValue": True,
+            },
+        }
+        for name in CUSTOM_ONLY
+    ]
 
 
 def read_only_under(values: dict) -> set[str]:
@@ -149,18 +177,29 @@ def registry(current: dict) -> dict:
     locked = read_only_under(current)
     entries = []
     for name in sorted(current):
-        entry = {"AttributeName": name, "DisplayName": name, "ReadOnly": name in locked, "Hidden": False,
-                 "Immutable": name in READ_ONLY, "CurrentValue": current[name]}
+        entry = {
+            "AttributeName": name,
+            "DisplayName": name,
+            "ReadOnly": name in locked,
+            "Hidden": False,
+            "Immutable": name in READ_ONLY,
+            "CurrentValue": current[name],
+        }
         if name in ENUMERATIONS:
-            entry.update(Type="Enumeration", Value=[{"ValueName": value, "ValueDisplayName": value}
-                                                    for value in ENUMERATIONS[name]])
+            entry.update(
+                Type="Enumeration",
+                Value=[{"ValueName": value, "ValueDisplayName": value} for value in ENUMERATIONS[name]],
+            )
         else:
             entry["Type"] = "String"
         entries.append(entry)
     return {
         "@odata.id": REGISTRY_URI,
         "@odata.type": "#AttributeRegistry.v1_3_0.AttributeRegistry",
-        "Id": REGISTRY_NAME, "Name": "BIOS Attribute Registry", "Language": "en", "OwningEntity": "Dell",
+        "Id": REGISTRY_NAME,
+        "Name": "BIOS Attribute Registry",
+        "Language": "en",
+        "OwningEntity": "Dell",
         "RegistryVersion": "1.0.0",
         "RegistryEntries": {"Attributes": entries, "Dependencies": custom_only_dependencies()},
     }
@@ -176,7 +215,10 @@ def refuse_patch(current: dict, pending: dict, attributes) -> tuple[str, str] | 
         if name not in current:
             return "Base.1.12.PropertyUnknown", f"The property {name} is not in the list of valid properties."
         if name in ENUMERATIONS and value not in ENUMERATIONS[name]:
-            return "Base.1.12.PropertyValueNotInList", f"The value {value} for the property {name} is not in the list of acceptable values."
+            return (
+                "Base.1.12.PropertyValueNotInList",
+                f"The value {value} for the property {name} is not in the list of acceptable values.",
+            )
     after = {**current, **attributes}
     for name in attributes:
         if name in read_only_under(after) and attributes[name] != current[name]:
@@ -260,8 +302,13 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
             data = json.loads(response.get_data())
             with dell.lock:
                 data["Attributes"] = dict(dell.pending.get(key(identity), {}))
-            data["Actions"] = {"Oem": {"#DellManager.ClearPending": {
-                "target": f"/redfish/v1/Systems/{identity}/BIOS/Settings/Actions/Oem/DellManager.ClearPending"}}}
+            data["Actions"] = {
+                "Oem": {
+                    "#DellManager.ClearPending": {
+                        "target": f"/redfish/v1/Systems/{identity}/BIOS/Settings/Actions/Oem/DellManager.ClearPending"
+                    }
+                }
+            }
             data["@Redfish.SettingsApplyTime"] = {"ApplyTime": "OnReset"}
             return flask.Response(json.dumps(data), content_type="application/json")
         body = flask.request.get_json(silent=True) or {}
@@ -274,14 +321,22 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
         if refused is not None:
             LOG.info("system %s: PATCH of BIOS/Settings %s refused: %s", identity, attributes, refused[1])
             return redfish_error(400, *refused)
-        LOG.info("system %s: BIOS values %s pending until the next reset (ApplyTime %s)", identity, attributes,
-                 body.get("@Redfish.SettingsApplyTime", {}).get("ApplyTime", "none given"))
-        return flask.Response(status=202, headers={
-            "Location": f"/redfish/v1/Managers/iDRAC.Embedded.1/Jobs/JID_{int(time.time())}"})
+        LOG.info(
+            "system %s: BIOS values %s pending until the next reset (ApplyTime %s)",
+            identity,
+            attributes,
+            body.get("@Redfish.SettingsApplyTime", {}).get("ApplyTime", "none given"),
+        )
+        return flask.Response(
+            status=202,
+            headers={"Location": f"/redfish/v1/Managers/iDRAC.Embedded.1/Jobs/JID_{int(time.time())}"},
+        )
 
     app.view_functions["bios_settings"] = bios_settings
 
-    @app.route("/redfish/v1/Systems/<identity>/BIOS/Settings/Actions/Oem/DellManager.ClearPending", methods=["POST"])
+    @app.route(
+        "/redfish/v1/Systems/<identity>/BIOS/Settings/Actions/Oem/DellManager.ClearPending", methods=["POST"]
+    )
     def bios_clear_pending(identity):
         app.systems.get_bios(identity)  # 404 for an unknown system
         with dell.lock:
@@ -296,9 +351,12 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
     def system_reset_action(identity):
         reset_type = (flask.request.get_json(silent=True) or {}).get("ResetType")
         if reset_type not in reset_types:
-            return redfish_error(400, "Base.1.12.ActionParameterNotSupported",
-                                 f"The parameter ResetType={reset_type} is not supported by this system: "
-                                 f"{', '.join(reset_types)}.")
+            return redfish_error(
+                400,
+                "Base.1.12.ActionParameterNotSupported",
+                f"The parameter ResetType={reset_type} is not supported by this system: "
+                f"{', '.join(reset_types)}.",
+            )
         return original_reset(identity)
 
     app.view_functions["system_reset_action"] = system_reset_action
@@ -380,7 +438,10 @@ def wire_power(dell: DellBios, qmp: Qmp | None, system_name: str, events: bool) 
     def set_power_state(self, identity, state):
         was = self.get_power_state(identity)
         original(self, identity, state)
-        wired = qmp is not None and identity in (system_name, str(uuid.uuid5(uuid.NAMESPACE_DNS, system_name)))
+        wired = qmp is not None and identity in (
+            system_name,
+            str(uuid.uuid5(uuid.NAMESPACE_DNS, system_name)),
+        )
         resets = state in RESTARTS and not (state in ("On", "ForceOn") and was == "On")
         if resets and not (wired and events):
             dell.apply(self, dell.id_of(identity), f"Redfish {state}")
@@ -415,13 +476,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bios-attributes", required=True, help="JSON object: initial BIOS attributes")
     parser.add_argument("--system-name", default="bigmem-lab-01")
     parser.add_argument("--memory-mib", type=int, default=2048)
-    parser.add_argument("--qmp-socket", help="QEMU QMP socket of the lab VM; without it power is bookkeeping only")
-    parser.add_argument("--qmp-events-socket",
-                        help="a second QMP socket of the VM, watched for RESET events (pending BIOS values apply)")
-    parser.add_argument("--extra-system", action="append", default=[],
-                        help="another system this BMC manages (same BIOS attributes, not wired to the VM)")
-    parser.add_argument("--reset-types", default="On,ForceOff,GracefulShutdown,ForceRestart,Nmi",
-                        help="ResetType values the systems offer (default: no GracefulRestart, like many iDRAC 9)")
+    parser.add_argument(
+        "--qmp-socket", help="QEMU QMP socket of the lab VM; without it power is bookkeeping only"
+    )
+    parser.add_argument(
+        "--qmp-events-socket",
+        help="a second QMP socket of the VM, watched for RESET events (pending BIOS values apply)",
+    )
+    parser.add_argument(
+        "--extra-system",
+        action="append",
+        default=[],
+        help="another system this BMC manages (same BIOS attributes, not wired to the VM)",
+    )
+    parser.add_argument(
+        "--reset-types",
+        default="On,ForceOff,GracefulShutdown,ForceRestart,Nmi",
+        help="ResetType values the systems offer (default: no GracefulRestart, like many iDRAC 9)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -445,8 +517,12 @@ def main(argv: list[str] | None = None) -> int:
 
     app = sushy_main.app
     dell = install_dell_bios(app, systems, [value for value in args.reset_types.split(",") if value])
-    wire_power(dell, Qmp(args.qmp_socket) if args.qmp_socket else None, args.system_name,
-               events=bool(args.qmp_events_socket))
+    wire_power(
+        dell,
+        Qmp(args.qmp_socket) if args.qmp_socket else None,
+        args.system_name,
+        events=bool(args.qmp_events_socket),
+    )
     if args.qmp_events_socket:
         resets = {"last": float("-inf")}
 
@@ -456,7 +532,9 @@ def main(argv: list[str] | None = None) -> int:
             if now - resets["last"] > 10:
                 LOG.info("the VM reset (%s)", data.get("reason", "reset"))
             resets["last"] = now
-            dell.apply(app.systems, system_uuid(args.system_name), f"the VM's reset ({data.get('reason', 'reset')})")
+            dell.apply(
+                app.systems, system_uuid(args.system_name), f"the VM's reset ({data.get('reason', 'reset')})"
+            )
 
         threading.Thread(target=watch_resets, args=(args.qmp_events_socket, on_reset), daemon=True).start()
     app.configure(extra_config={"SUSHY_EMULATOR_AUTH_FILE": args.auth_file})

@@ -25,13 +25,18 @@ from tests.fixtures.lab import OTHER_SYSTEM_NAME, LabBMC, system_id
 pytestmark = [pytest.mark.lab]
 
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
-RECAP = re.compile(r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=\d+\s+"
-                   r"failed=(?P<failed>\d+)", re.MULTILINE)
+RECAP = re.compile(
+    r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+unreachable=\d+\s+"
+    r"failed=(?P<failed>\d+)",
+    re.MULTILINE,
+)
 HOST = "bmc-only"
 
 
 def _profile() -> dict:
-    defaults = yaml.safe_load((REPO_ROOT / "ansible" / "roles" / "bigmem_bios" / "defaults" / "main.yml").read_text())
+    defaults = yaml.safe_load(
+        (REPO_ROOT / "ansible" / "roles" / "bigmem_bios" / "defaults" / "main.yml").read_text()
+    )
     return defaults["bigmem_bios_profiles"]["dell"]
 
 
@@ -44,27 +49,54 @@ def _changes() -> dict:
     return {key: value for key, value in _profile().items() if initial[key] != value}
 
 
-def play(bmc: LabBMC, tmp_path: Path, *extra: str, resource_id: bool = True, playbook: str = "site.yml",
-         connection: str = "ansible_connection=local") -> tuple[int, str, dict]:
+def play(
+    bmc: LabBMC,
+    tmp_path: Path,
+    *extra: str,
+    resource_id: bool = True,
+    playbook: str = "site.yml",
+    connection: str = "ansible_connection=local",
+) -> tuple[int, str, dict]:
     inventory = tmp_path / "inventory.ini"
     inventory.write_text(
         "[bigmem]\n"
         f"{HOST} {connection} ansible_python_interpreter={sys.executable} ansible_become=false "
         f"bmc_address={bmc.url.removeprefix('https://')} bmc_vendor=dell bigmem_bmc_ca_path={bmc.ca_file} "
-        + (f"bmc_resource_id={bmc.system_id}" if resource_id else "") + "\n"
+        + (f"bmc_resource_id={bmc.system_id}" if resource_id else "")
+        + "\n"
         "[bigmem:vars]\n"
         "bigmem_bios_enabled=true\n"
         "bigmem_os_tuning_enabled=false\nbigmem_docker_engine_enabled=false\n"
         "bigmem_image_enabled=false\nbigmem_train_enabled=false\n"
         "bigmem_preflight_check_memory=false\nbigmem_preflight_check_os=false\n"
     )
-    env = {**os.environ, "BIGMEM_BMC_USERNAME": bmc.username, "BIGMEM_BMC_PASSWORD": bmc.password,
-           "ANSIBLE_NOCOLOR": "1", "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp")}
+    env = {
+        **os.environ,
+        "BIGMEM_BMC_USERNAME": bmc.username,
+        "BIGMEM_BMC_PASSWORD": bmc.password,
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_LOCAL_TEMP": str(tmp_path / "tmp"),
+    }
     env.pop("ANSIBLE_CONFIG", None)
     tags = ["--tags", "bios"] if playbook == "site.yml" else []
-    result = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(inventory), playbook, *tags,
-                             "-e", "bigmem_allow_reboot=false", *extra],
-                            cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run(
+        [
+            str(ANSIBLE_PLAYBOOK),
+            "-i",
+            str(inventory),
+            playbook,
+            *tags,
+            "-e",
+            "bigmem_allow_reboot=false",
+            *extra,
+        ],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     output = result.stdout + result.stderr
     recap = {m["host"]: {k: int(m[k]) for k in ("ok", "changed", "failed")} for m in RECAP.finditer(output)}
     return result.returncode, output, recap.get(HOST, {})
@@ -108,7 +140,9 @@ def test_rerun_before_the_reboot_succeeds_and_stages_nothing(bmc_alone, tmp_path
 
 
 def test_other_pending_values_stop_the_play_unless_replacing_is_allowed(bmc_alone, tmp_path):
-    bmc_alone.request("PATCH", bmc_alone.system_path() + "/BIOS/Settings", {"Attributes": {"BootMode": "Uefi"}})
+    bmc_alone.request(
+        "PATCH", bmc_alone.system_path() + "/BIOS/Settings", {"Attributes": {"BootMode": "Uefi"}}
+    )
     rc, output, _ = play(bmc_alone, tmp_path)
     assert rc != 0
     assert re.search(r"BootMode.*pending", output), output[-5000:]
@@ -147,16 +181,30 @@ def test_preflight_refuses_mirrored_memory_when_the_job_needs_it(bmc_alone, tmp_
     what the OS sees is refused with the mode named; one that fits gets a warning. The profile sets
     OptimizerMode."""
     assert _profile()["MemOpMode"] == "OptimizerMode"
-    bmc_alone.request("PATCH", bmc_alone.system_path() + "/BIOS/Settings", {"Attributes": {"MemOpMode": "MirrorMode"}})
+    bmc_alone.request(
+        "PATCH", bmc_alone.system_path() + "/BIOS/Settings", {"Attributes": {"MemOpMode": "MirrorMode"}}
+    )
     restart(bmc_alone)
     assert bios(bmc_alone)[0]["MemOpMode"] == "MirrorMode"
-    rc, output, _ = play(bmc_alone, tmp_path, "-e", "bigmem_preflight_check_memory=true",
-                         "-e", "bigmem_train_target_footprint=95%")
+    rc, output, _ = play(
+        bmc_alone,
+        tmp_path,
+        "-e",
+        "bigmem_preflight_check_memory=true",
+        "-e",
+        "bigmem_train_target_footprint=95%",
+    )
     assert rc != 0
     assert "reports MemOpMode=MirrorMode" in output and "OptimizerMode" in output, output[-5000:]
     assert bios(bmc_alone)[1] == {}, "preflight changed the BIOS"
-    rc, output, _ = play(bmc_alone, tmp_path, "-e", "bigmem_preflight_check_memory=true",
-                         "-e", "bigmem_train_target_footprint=10%")
+    rc, output, _ = play(
+        bmc_alone,
+        tmp_path,
+        "-e",
+        "bigmem_preflight_check_memory=true",
+        "-e",
+        "bigmem_train_target_footprint=10%",
+    )
     assert rc == 0, output[-5000:]
     assert "WARNING: the BMC of bmc-only reports MemOpMode=MirrorMode" in output, output[-5000:]
     assert bios(bmc_alone)[1]["MemOpMode"] == "OptimizerMode"  # the bios role stages the full-memory mode
@@ -173,13 +221,25 @@ def test_a_host_that_does_not_answer_is_reset_through_the_bmc(bmc_alone, tmp_pat
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
     log_start = len(bmc_alone.log.read_text())
-    rc, output, _ = play(bmc_alone, tmp_path, "-e", "bigmem_allow_reboot=true", "-e", "bigmem_reboot_ssh_timeout=5",
-                         "-e", "bigmem_reboot_timeout=20", playbook="tests/lab/bios_reboot.yml",
-                         connection=f"ansible_host=127.0.0.1 ansible_port={port} ansible_user=nobody")
+    rc, output, _ = play(
+        bmc_alone,
+        tmp_path,
+        "-e",
+        "bigmem_allow_reboot=true",
+        "-e",
+        "bigmem_reboot_ssh_timeout=5",
+        "-e",
+        "bigmem_reboot_timeout=20",
+        playbook="tests/lab/bios_reboot.yml",
+        connection=f"ansible_host=127.0.0.1 ansible_port={port} ansible_user=nobody",
+    )
     log = bmc_alone.log.read_text()[log_start:]
     assert rc != 0, output[-5000:]
     assert "Power the host on, or reset it, through the BMC" in output, output[-5000:]
     assert "Reboot through the OS" not in output, output[-5000:]  # skipped tasks are not shown
     assert 'power state set to "ForceRestart"' in log and "GracefulRestart" not in log, log[-3000:]
     current, pending = bios(bmc_alone)
-    assert pending == {} and all(current[key] == value for key, value in _profile().items()), (current, pending)
+    assert pending == {} and all(current[key] == value for key, value in _profile().items()), (
+        current,
+        pending,
+    )

@@ -21,7 +21,9 @@ def test_vm_boots_with_ssh_and_two_numa_nodes(lab_vm):
         assert total_kib > 700 * 1024, meminfo
     assert lab_vm.run("sudo -n id -u").stdout.strip() == "0"
     assert lab_vm.run("systemctl is-system-running --wait || true", timeout=300).stdout.strip() in (
-        "running", "degraded")
+        "running",
+        "degraded",
+    )
     assert "console=ttyS0" in lab_vm.run("cat /proc/cmdline").stdout
     assert lab_vm.run("test -d /boot/grub/i386-pc && test -x /usr/sbin/update-grub").returncode == 0
 
@@ -41,8 +43,9 @@ def test_bmc_serves_redfish_over_tls_with_basic_auth(lab_bmc):
 
 def test_bmc_rejects_bad_credentials_and_unverified_tls(lab_bmc):
     context = ssl.create_default_context(cafile=str(lab_bmc.ca_file))
-    request = urllib.request.Request(lab_bmc.url + "/redfish/v1/Systems",
-                                     headers={"Authorization": "Basic YmFkOmJhZA=="})
+    request = urllib.request.Request(
+        lab_bmc.url + "/redfish/v1/Systems", headers={"Authorization": "Basic YmFkOmJhZA=="}
+    )
     with pytest.raises(urllib.error.HTTPError) as raised:
         urllib.request.urlopen(request, context=context, timeout=30)
     assert raised.value.code == 401
@@ -58,8 +61,9 @@ def test_redfish_restart_reboots_the_vm_and_applies_pending_bios_values(lab_vm, 
     system = lab_bmc.system_path()
     offered = lab_bmc.get(system)["Actions"]["#ComputerSystem.Reset"]["ResetType@Redfish.AllowableValues"]
     assert "GracefulRestart" not in offered and "ForceRestart" in offered, offered
-    status, message = lab_bmc.error_of("POST", f"{system}/Actions/ComputerSystem.Reset",
-                                       {"ResetType": "GracefulRestart"})
+    status, message = lab_bmc.error_of(
+        "POST", f"{system}/Actions/ComputerSystem.Reset", {"ResetType": "GracefulRestart"}
+    )
     assert status == 400 and "GracefulRestart" in message, (status, message)
     assert lab_bmc.get(system + "/BIOS")["Attributes"]["BootMode"] == "Bios"
     lab_bmc.request("PATCH", f"{system}/BIOS/Settings", {"Attributes": {"BootMode": "Uefi"}})

@@ -37,15 +37,20 @@ pytestmark = [
     # Runs by default: the five runs took 26.2 min and the job rerun 1.1 min on the shared 2-core machine at
     # load average 3.5-14 (docs/lab.md, 1 Dec 2026); before issue 13 the three runs took 23 min at load ~1.
     # BIGMEM_LAB_SITE=0 skips it (the lab's own tests in test_lab.py still run).
-    pytest.mark.skipif(os.environ.get("BIGMEM_LAB_SITE") == "0",
-                       reason="site.yml end-to-end on the lab skipped by BIGMEM_LAB_SITE=0"),
+    pytest.mark.skipif(
+        os.environ.get("BIGMEM_LAB_SITE") == "0",
+        reason="site.yml end-to-end on the lab skipped by BIGMEM_LAB_SITE=0",
+    ),
 ]
 
 ANSIBLE_DIR = REPO_ROOT / "ansible"
 SITE = REPO_ROOT / "site.yml"  # the README's command, from the repository root
 ANSIBLE_PLAYBOOK = Path(sys.executable).with_name("ansible-playbook")
-RECAP_LINE = re.compile(r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+"
-                        r"unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)", re.MULTILINE)
+RECAP_LINE = re.compile(
+    r"^(?P<host>\S+)\s*:\s*ok=(?P<ok>\d+)\s+changed=(?P<changed>\d+)\s+"
+    r"unreachable=(?P<unreachable>\d+)\s+failed=(?P<failed>\d+)",
+    re.MULTILINE,
+)
 
 # What the lab asks of the roles (extra vars of every run; the inventory carries the hosts).
 HUGEPAGES_PER_NODE = 16
@@ -68,12 +73,21 @@ def run_site(inventory: Path, env: dict[str, str], *extra: str, log: Path) -> Pl
     with open(log, "w") as handle:  # streamed, so a slow or interrupted run can be followed
         handle.write(f"$ {' '.join(command)}\n")
         handle.flush()
-        result = subprocess.run(command, cwd=REPO_ROOT, env=env, stdout=handle, stderr=subprocess.STDOUT,
-                                text=True, timeout=2400 * TIMEOUT_SCALE)
+        result = subprocess.run(
+            command,
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=2400 * TIMEOUT_SCALE,
+        )
     seconds = time.monotonic() - started
     output = log.read_text(errors="replace")
-    recap = {m["host"]: {key: int(m[key]) for key in ("ok", "changed", "unreachable", "failed")}
-             for m in RECAP_LINE.finditer(output)}
+    recap = {
+        m["host"]: {key: int(m[key]) for key in ("ok", "changed", "unreachable", "failed")}
+        for m in RECAP_LINE.finditer(output)
+    }
     return PlaybookRun(result.returncode, output, seconds, recap)
 
 
@@ -104,8 +118,14 @@ def _demo_host_vars(results: Path) -> dict:
         "bigmem_train_poll": 5,
         "bigmem_train_timeout": 1800,
         "bigmem_train_job": {
-            "synthetic_cases": 10, "synthetic_shape": [40, 40, 28], "input_shape": [32, 32, 16],
-            "crop_jitter": 2, "depth": 2, "base_filters": 8, "batch_size": 2, "epochs": 8,
+            "synthetic_cases": 10,
+            "synthetic_shape": [40, 40, 28],
+            "input_shape": [32, 32, 16],
+            "crop_jitter": 2,
+            "depth": 2,
+            "base_filters": 8,
+            "batch_size": 2,
+            "epochs": 8,
             "dice_floor": 0.3,
         },
     }
@@ -137,8 +157,17 @@ def _snapshot_of_the_kit(directory: Path) -> Path:
     import tarfile
 
     packed = directory.with_suffix(".tar")
-    subprocess.run([sys.executable, str(REPO_ROOT / "docker" / "build_context.py"), str(REPO_ROOT), "--tar", str(packed)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO_ROOT / "docker" / "build_context.py"),
+            str(REPO_ROOT),
+            "--tar",
+            str(packed),
+        ],
+        check=True,
+        capture_output=True,
+    )
     with tarfile.open(packed) as archive:
         archive.extractall(directory, filter="data")
     packed.unlink()
@@ -163,13 +192,17 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
         demo_vars["bigmem_image_base_image"] = _local_base_image()
     (inventory.parent / "host_vars" / "local.yml").write_text(yaml.safe_dump(demo_vars))
     (inventory.parent / "group_vars").mkdir()
-    (inventory.parent / "group_vars" / "bigmem.yml").write_text(yaml.safe_dump({
-        # Static hugepages are opt-in; the lab asks for a few to check they are spread over both nodes.
-        "bigmem_hugepages_count": 2 * HUGEPAGES_PER_NODE,
-        "bigmem_hugepages_size": "2M",
-        # The 2 GiB VM does not train, but preflight sizes the job against it.
-        "bigmem_train_target_footprint": "512MiB",
-    }))
+    (inventory.parent / "group_vars" / "bigmem.yml").write_text(
+        yaml.safe_dump(
+            {
+                # Static hugepages are opt-in; the lab asks for a few to check they are spread over both nodes.
+                "bigmem_hugepages_count": 2 * HUGEPAGES_PER_NODE,
+                "bigmem_hugepages_size": "2M",
+                # The 2 GiB VM does not train, but preflight sizes the job against it.
+                "bigmem_train_target_footprint": "512MiB",
+            }
+        )
+    )
     from tests.fixtures.lab import write_lab_inventory
 
     write_lab_inventory(inventory, lab_vm, lab_bmc)
@@ -186,15 +219,30 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
     limit = [] if docker_for_demo is None else ["--limit", "bigmem"]
     load_before = os.getloadavg()
     boot_ids = {"start": lab_vm.boot_id()}
-    start_bios = _bios(lab_bmc)  # test_lab.py may have changed BootMode before (a value the profile leaves alone)
+    start_bios = _bios(
+        lab_bmc
+    )  # test_lab.py may have changed BootMode before (a value the profile leaves alone)
     bmc_log = {}
     env.pop("ANSIBLE_CONFIG", None)  # the root ansible.cfg, as for the admin typing the README's command
     # 0. A dry run on the fresh VM, with the image and job roles on it too (its engine is not running yet).
-    fresh_check = run_site(inventory, env, "--limit", "bigmem", "--check", "--diff", "-e", "bigmem_image_enabled=true",
-                           "-e", "bigmem_train_enabled=true", log=workdir / "check-fresh.log")
+    fresh_check = run_site(
+        inventory,
+        env,
+        "--limit",
+        "bigmem",
+        "--check",
+        "--diff",
+        "-e",
+        "bigmem_image_enabled=true",
+        "-e",
+        "bigmem_train_enabled=true",
+        log=workdir / "check-fresh.log",
+    )
     boot_ids["after_fresh_check"] = lab_vm.boot_id()
-    after_fresh_check = {"bios": _bios(lab_bmc), "grub_dropin": lab_vm.run(
-        "test -e /etc/default/grub.d/bigmem.cfg", check=False).returncode == 0}
+    after_fresh_check = {
+        "bios": _bios(lab_bmc),
+        "grub_dropin": lab_vm.run("test -e /etc/default/grub.d/bigmem.cfg", check=False).returncode == 0,
+    }
     # 1. The first converge with the defaults: no reboot allowed.
     first = run_site(inventory, env, *limit, log=workdir / "converge-1.log")
     boot_ids["after_first"] = lab_vm.boot_id()
@@ -203,11 +251,15 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
     if first.returncode == 0:
         # 2. The rerun the report asks for, with the BIOS values still pending.
         bmc_log["before_second"] = len(lab_bmc.log.read_text(errors="replace"))
-        second = run_site(inventory, env, *limit, "-e", "bigmem_allow_reboot=true", log=workdir / "converge-2.log")
-        bmc_log["second"] = lab_bmc.log.read_text(errors="replace")[bmc_log["before_second"]:]
+        second = run_site(
+            inventory, env, *limit, "-e", "bigmem_allow_reboot=true", log=workdir / "converge-2.log"
+        )
+        bmc_log["second"] = lab_bmc.log.read_text(errors="replace")[bmc_log["before_second"] :]
         boot_ids["after_second"] = lab_vm.boot_id()
     if second is not None and second.returncode == 0:
-        third = run_site(inventory, env, *limit, "-e", "bigmem_allow_reboot=true", log=workdir / "converge-3.log")
+        third = run_site(
+            inventory, env, *limit, "-e", "bigmem_allow_reboot=true", log=workdir / "converge-3.log"
+        )
     if third is not None and third.returncode == 0:
         check = run_site(inventory, env, *limit, "--check", "--diff", log=workdir / "check-diff.log")
     timings = {
@@ -225,10 +277,23 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
     }
     (lab_cache_dir() / "last-site-timings.json").write_text(json.dumps(timings, indent=2) + "\n")
     print(f"\nlab site timings: {json.dumps(timings)} (logs in {workdir})")
-    return {"start_bios": start_bios[0], "fresh_check": fresh_check, "after_fresh_check": after_fresh_check, "first": first,
-            "after_first": after_first, "second": second, "third": third, "check": check, "boot_ids": boot_ids,
-            "bmc_log_second": bmc_log.get("second", ""), "inventory": inventory, "env": env,
-            "docker_skip": docker_for_demo, "workdir": workdir, "timings": timings}
+    return {
+        "start_bios": start_bios[0],
+        "fresh_check": fresh_check,
+        "after_fresh_check": after_fresh_check,
+        "first": first,
+        "after_first": after_first,
+        "second": second,
+        "third": third,
+        "check": check,
+        "boot_ids": boot_ids,
+        "bmc_log_second": bmc_log.get("second", ""),
+        "inventory": inventory,
+        "env": env,
+        "docker_skip": docker_for_demo,
+        "workdir": workdir,
+        "timings": timings,
+    }
 
 
 def _bios(bmc) -> tuple[dict, dict]:
@@ -260,7 +325,9 @@ def test_first_converge_with_the_defaults_reports_the_reboot_and_goes_on(site):
     assert SYSTEM_NAME in first.recap, first.recap
     assert all(c["failed"] == 0 and c["unreachable"] == 0 for c in first.recap.values()), first.recap
     assert f"REBOOT REQUIRED on {SYSTEM_NAME}" in first.output, _tail(first)
-    assert site["boot_ids"]["after_first"] == site["boot_ids"]["start"], "rebooted though bigmem_allow_reboot is false"
+    assert site["boot_ids"]["after_first"] == site["boot_ids"]["start"], (
+        "rebooted though bigmem_allow_reboot is false"
+    )
     current, pending = site["after_first"]["bios"]
     changes = {k: v for k, v in _bios_profile("dell").items() if site["start_bios"][k] != v}
     assert pending == changes and current == site["start_bios"], (current, pending)
@@ -287,7 +354,7 @@ def test_third_converge_changes_nothing(site):
     third = site["third"]
     assert third is not None, "an earlier converge failed"
     assert third.returncode == 0, _tail(third)
-    assert third.changed() == {host: 0 for host in third.recap}, _tail(third)
+    assert third.changed() == dict.fromkeys(third.recap, 0), _tail(third)
     assert "REBOOT REQUIRED" not in third.output, _tail(third)
 
 
@@ -299,7 +366,9 @@ def test_check_diff_is_clean(site):
 
 
 def test_vm_kernel_and_memory_settings(site, lab_vm):
-    assert site["second"] is not None and site["second"].returncode == 0, "the converge with the reboot failed"
+    assert site["second"] is not None and site["second"].returncode == 0, (
+        "the converge with the reboot failed"
+    )
     defaults = _os_tuning_defaults()
     cmdline = lab_vm.run("cat /proc/cmdline").stdout
     assert f"transparent_hugepage={defaults['bigmem_os_tuning_thp_enabled']}" in cmdline, cmdline
@@ -337,8 +406,21 @@ def test_job_verdict_passes(site):
 
 def _running_jobs() -> list[tuple[str, str]]:
     """(name, id) of the bigmem-train job containers running on the test machine's daemon."""
-    listed = subprocess.run(["docker", "ps", "--filter", "label=org.bigmem-train.run", "--filter", "status=running",
-                             "--format", "{{.Names}} {{.ID}}"], capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        [
+            "docker",
+            "ps",
+            "--filter",
+            "label=org.bigmem-train.run",
+            "--filter",
+            "status=running",
+            "--format",
+            "{{.Names}} {{.ID}}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return [tuple(line.split()) for line in listed.stdout.splitlines() if line.strip()]
 
 
@@ -354,8 +436,13 @@ def test_rerun_while_a_job_runs_reports_it_and_leaves_it_running(site):
     assert not _running_jobs(), _running_jobs()
     log_a = workdir / "job-running-a.log"
     with open(log_a, "w") as handle:
-        first = subprocess.Popen([str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "site.yml", *extra], cwd=REPO_ROOT,
-                                 env=env, stdout=handle, stderr=subprocess.STDOUT)
+        first = subprocess.Popen(
+            [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "site.yml", *extra],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
     started = None
     try:
         deadline = time.monotonic() + 900 * TIMEOUT_SCALE
@@ -363,7 +450,9 @@ def test_rerun_while_a_job_runs_reports_it_and_leaves_it_running(site):
             jobs = _running_jobs()
             started = jobs[0] if jobs else None
             time.sleep(2)
-        assert started is not None, "the first play started no job:\n" + log_a.read_text(errors="replace")[-4000:]
+        assert started is not None, (
+            "the first play started no job:\n" + log_a.read_text(errors="replace")[-4000:]
+        )
         second = run_site(inventory, env, *extra, log=workdir / "job-running-b.log")
         assert second.returncode == 0, _tail(second)
         assert "left running" in second.output and started[0] in second.output, _tail(second)

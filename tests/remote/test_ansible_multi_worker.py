@@ -54,13 +54,21 @@ PLAYBOOK = """\
 """
 
 
-def write_play(folder: Path, image: str, hostvars: dict[str, dict[str, str]], **variables) -> tuple[Path, Path]:
+def write_play(
+    folder: Path, image: str, hostvars: dict[str, dict[str, str]], **variables
+) -> tuple[Path, Path]:
     """An inventory of two local hosts (group `workers`), the playbook and its extra variables."""
     lines = ["[workers]"]
     for host, values in hostvars.items():
         lines.append(" ".join([host, *(f"{key}={value}" for key, value in values.items())]))
-    lines += ["", "[workers:vars]", "ansible_connection=local", f"ansible_python_interpreter={sys.executable}",
-              "ansible_become=false", "bigmem_train_worker_address=127.0.0.1"]
+    lines += [
+        "",
+        "[workers:vars]",
+        "ansible_connection=local",
+        f"ansible_python_interpreter={sys.executable}",
+        "ansible_become=false",
+        "bigmem_train_worker_address=127.0.0.1",
+    ]
     (folder / "inventory.ini").write_text("\n".join(lines) + "\n")
     (folder / "train.yml").write_text(PLAYBOOK)
     name, _, tag = image.partition(":")
@@ -80,17 +88,30 @@ def write_play(folder: Path, image: str, hostvars: dict[str, dict[str, str]], **
 
 
 def play(folder: Path, timeout: float) -> tuple[subprocess.CompletedProcess[str], float]:
-    environment = {**os.environ, "ANSIBLE_ROLES_PATH": str(REPO / "ansible" / "roles"),
-                   "ANSIBLE_FILTER_PLUGINS": str(REPO / "ansible" / "filter_plugins"),
-                   "ANSIBLE_NOCOLOR": "1", "ANSIBLE_HOST_KEY_CHECKING": "false", "ANSIBLE_RETRY_FILES_ENABLED": "false"}
+    environment = {
+        **os.environ,
+        "ANSIBLE_ROLES_PATH": str(REPO / "ansible" / "roles"),
+        "ANSIBLE_FILTER_PLUGINS": str(REPO / "ansible" / "filter_plugins"),
+        "ANSIBLE_NOCOLOR": "1",
+        "ANSIBLE_HOST_KEY_CHECKING": "false",
+        "ANSIBLE_RETRY_FILES_ENABLED": "false",
+    }
     started = time.monotonic()
-    result = subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", "inventory.ini", "-e", "@extra.json", "train.yml"],
-                            cwd=folder, capture_output=True, text=True, timeout=timeout, env=environment)
+    result = subprocess.run(
+        [str(ANSIBLE_PLAYBOOK), "-i", "inventory.ini", "-e", "@extra.json", "train.yml"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+    )
     return result, time.monotonic() - started
 
 
 def leftover_containers(prefix: str) -> list[str]:
-    output = subprocess.run(["docker", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True).stdout
+    output = subprocess.run(
+        ["docker", "ps", "-a", "--format", "{{.Names}}"], capture_output=True, text=True
+    ).stdout
     return [name for name in output.split() if name.startswith(prefix)]
 
 
@@ -105,9 +126,13 @@ def ansible_playbook() -> Path:
 
 def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_playbook):
     ports = [free_port(), free_port()]
-    hostvars = {f"w{index}": {"bigmem_train_worker_port": port,
-                              "bigmem_train_results_dir": results_folder(tmp_path / f"w{index}")}
-                for index, port in enumerate(ports)}
+    hostvars = {
+        f"w{index}": {
+            "bigmem_train_worker_port": port,
+            "bigmem_train_results_dir": results_folder(tmp_path / f"w{index}"),
+        }
+        for index, port in enumerate(ports)
+    }
     write_play(tmp_path, bigmem_image, hostvars)
     result, seconds = play(tmp_path, timeout=900)
     output = result.stdout + result.stderr
@@ -121,11 +146,15 @@ def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_
     run = chief_runs[0].name
     chief, worker = tmp_path / "w0" / run, tmp_path / "w1" / f"{run}.worker1"
     groups = {"workers": ["w0", "w1"]}
-    template_vars = {host: {"bigmem_train_worker_address": "127.0.0.1", "bigmem_train_worker_port": port}
-                     for host, port in zip(groups["workers"], ports)}
+    template_vars = {
+        host: {"bigmem_train_worker_address": "127.0.0.1", "bigmem_train_worker_port": port}
+        for host, port in zip(groups["workers"], ports)
+    }
     for index, host in enumerate(groups["workers"]):
         written = (tmp_path / host / f"{run}.tf_config.json").read_text().strip()
-        assert written == render_tf_config(groups, template_vars, host, "workers"), "Ansible and the CLI agree"
+        assert written == render_tf_config(groups, template_vars, host, "workers"), (
+            "Ansible and the CLI agree"
+        )
         cluster = parse_tf_config(written)
         assert cluster.index == index and cluster.workers == tuple(f"127.0.0.1:{port}" for port in ports)
 
@@ -161,14 +190,22 @@ def test_a_worker_that_cannot_start_fails_the_play(tmp_path, bigmem_image, ansib
     no_dataset = tmp_path / "no-dataset"
     no_dataset.mkdir()
     hostvars = {
-        "w0": {"bigmem_train_worker_port": free_port(), "bigmem_train_results_dir": results_folder(tmp_path / "w0")},
-        "w1": {"bigmem_train_worker_port": free_port(), "bigmem_train_results_dir": results_folder(tmp_path / "w1"),
-               "bigmem_train_dataset_path": no_dataset},
+        "w0": {
+            "bigmem_train_worker_port": free_port(),
+            "bigmem_train_results_dir": results_folder(tmp_path / "w0"),
+        },
+        "w1": {
+            "bigmem_train_worker_port": free_port(),
+            "bigmem_train_results_dir": results_folder(tmp_path / "w1"),
+            "bigmem_train_dataset_path": no_dataset,
+        },
     }
     # The start timeout is long; the workers compare notes every 9 s, so worker 1's end stops worker 0's
     # wait at the end of that round, not when the timeout runs out.
     start_timeout = 900
-    write_play(tmp_path, bigmem_image, hostvars, bigmem_train_start_timeout=start_timeout, bigmem_train_join_check=9)
+    write_play(
+        tmp_path, bigmem_image, hostvars, bigmem_train_start_timeout=start_timeout, bigmem_train_join_check=9
+    )
     result, seconds = play(tmp_path, timeout=start_timeout)
     output = result.stdout + result.stderr
     print(f"\nfailed multi-worker play: {seconds:.0f} s", file=sys.stderr)

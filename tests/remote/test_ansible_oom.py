@@ -17,7 +17,14 @@ from bigmem_train.host import read_host_facts
 from bigmem_train.render import host_variables, render
 
 from ..integration.test_memory_guard import lying_calibration
-from .test_ansible_multi_worker import JOB, ansible_playbook, leftover_containers, play, results_folder, write_play
+from .test_ansible_multi_worker import (
+    JOB,
+    ansible_playbook,
+    leftover_containers,
+    play,
+    results_folder,
+    write_play,
+)
 
 __all__ = ["ansible_playbook"]
 
@@ -33,24 +40,56 @@ def test_train_role_names_an_oom_kill(tmp_path, bigmem_image, ansible_playbook):
     (results / "job.yaml").write_text(render("train.yaml.j2", {**host_variables(read_host_facts()), **job}))
     for path in [results, *results.rglob("*")]:
         os.lchown(path, UID, UID)
-    planned = subprocess.run(["docker", "run", "--rm", "--user", f"{UID}:{UID}", "-v", f"{results}:/results",
-                              "-e", "BIGMEM_CACHE_DIR=/results/cache", "--network", "none", bigmem_image, "plan",
-                              "--config", "/results/job.yaml"], capture_output=True, text=True, timeout=300)
+    planned = subprocess.run(
+        [
+            "docker",
+            "run",
+            "--rm",
+            "--user",
+            f"{UID}:{UID}",
+            "-v",
+            f"{results}:/results",
+            "-e",
+            "BIGMEM_CACHE_DIR=/results/cache",
+            "--network",
+            "none",
+            bigmem_image,
+            "plan",
+            "--config",
+            "/results/job.yaml",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert planned.returncode == 0, planned.stderr
     limit = str(300 * 2**20)
-    write_play(tmp_path, bigmem_image, {"w0": {"bigmem_train_results_dir": results}}, bigmem_train_job=job,
-               bigmem_train_docker_extra_args=["--memory", limit, "--memory-swap", limit,
-                                               "-e", "BIGMEM_CALIBRATION=/results/calibration.json",
-                                               "-e", "BIGMEM_CACHE_DIR=/results/cache"])
+    write_play(
+        tmp_path,
+        bigmem_image,
+        {"w0": {"bigmem_train_results_dir": results}},
+        bigmem_train_job=job,
+        bigmem_train_docker_extra_args=[
+            "--memory",
+            limit,
+            "--memory-swap",
+            limit,
+            "-e",
+            "BIGMEM_CALIBRATION=/results/calibration.json",
+            "-e",
+            "BIGMEM_CACHE_DIR=/results/cache",
+        ],
+    )
     result, seconds = play(tmp_path, timeout=900)
     output = result.stdout + result.stderr
     print(f"\nOOM play: {seconds:.0f} s", file=sys.stderr)
     assert result.returncode != 0 and "failed=1" in output, output[-6000:]
-    assert "exit code 137" in output and "killed by the out-of-memory killer at about" in output, output[-6000:]
+    assert "exit code 137" in output and "killed by the out-of-memory killer at about" in output, output[
+        -6000:
+    ]
     assert "the container's OOMKilled flag is set" in output and "(planned 0.0" in output, output[-6000:]
     runs = [path for path in results.iterdir() if path.is_dir() and path.name.startswith("ansible-")]
     assert len(runs) == 1 and yaml.safe_load((runs[0] / "state.json").read_text())["state"] == "running"
     # The container ran without --rm (so its OOMKilled flag could be read); the role removed it (the same
     # unconditional task after a passing run; the PASS path is played by tests/lab/test_site.py).
     assert not leftover_containers(f"bigmem-{runs[0].name}")
-

@@ -43,21 +43,36 @@ def job_that_fits_only_when_split() -> tuple[dict, int, int]:
     """A job (the study's net at a 160x160x128 tile) and an even global batch whose plan does not fit this
     host with the margin, while half of it fits with room to spare (whatever this machine's memory)."""
     usable = read_host_facts().memory_total_bytes * (1 - MARGIN)
-    base = {"input_shape": [160, 160, 128], "synthetic_shape": [176, 176, 136], "base_filters": 16, "depth": 4,
-            "epochs": 1}
+    base = {
+        "input_shape": [160, 160, 128],
+        "synthetic_shape": [176, 176, 136],
+        "base_filters": 16,
+        "depth": 4,
+        "epochs": 1,
+    }
     for batch in range(2, 129, 2):
         whole = planned_peak({**base, "batch_size": batch})
         if whole > usable:
             half = planned_peak({**base, "batch_size": batch // 2})
-            assert half < 0.95 * usable, f"batch {batch}: half the job ({half} B) does not fit {usable} B either"
+            assert half < 0.95 * usable, (
+                f"batch {batch}: half the job ({half} B) does not fit {usable} B either"
+            )
             return {**base, "batch_size": batch}, whole, half
     raise AssertionError(f"no batch up to 128 passes {usable} B")
 
 
 def run_play(folder: Path, job: dict) -> subprocess.CompletedProcess:
-    lines = ["[workers]", "w0 bigmem_train_worker_port=23456", "w1 bigmem_train_worker_port=23457", "",
-             "[workers:vars]", "ansible_connection=local", f"ansible_python_interpreter={sys.executable}",
-             "ansible_become=false", "bigmem_train_worker_address=127.0.0.1"]
+    lines = [
+        "[workers]",
+        "w0 bigmem_train_worker_port=23456",
+        "w1 bigmem_train_worker_port=23457",
+        "",
+        "[workers:vars]",
+        "ansible_connection=local",
+        f"ansible_python_interpreter={sys.executable}",
+        "ansible_become=false",
+        "bigmem_train_worker_address=127.0.0.1",
+    ]
     (folder / "inventory.ini").write_text("\n".join(lines) + "\n")
     (folder / "preflight.yml").write_text(PLAYBOOK)
     extra = {
@@ -72,12 +87,28 @@ def run_play(folder: Path, job: dict) -> subprocess.CompletedProcess:
         "bigmem_image_enabled": False,
     }
     (folder / "extra.json").write_text(json.dumps(extra))
-    env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible" / "ansible.cfg"), ANSIBLE_FORCE_COLOR="0",
-               ANSIBLE_ROLES_PATH=str(REPO / "ansible" / "roles"))
+    env = dict(
+        os.environ,
+        ANSIBLE_CONFIG=str(REPO / "ansible" / "ansible.cfg"),
+        ANSIBLE_FORCE_COLOR="0",
+        ANSIBLE_ROLES_PATH=str(REPO / "ansible" / "roles"),
+    )
     env.pop("TF_CONFIG", None)
-    return subprocess.run([str(ANSIBLE_PLAYBOOK), "-i", str(folder / "inventory.ini"), str(folder / "preflight.yml"),
-                           "-e", f"@{folder / 'extra.json'}"], cwd=REPO / "ansible", env=env,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [
+            str(ANSIBLE_PLAYBOOK),
+            "-i",
+            str(folder / "inventory.ini"),
+            str(folder / "preflight.yml"),
+            "-e",
+            f"@{folder / 'extra.json'}",
+        ],
+        cwd=REPO / "ansible",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def test_preflight_plans_a_multi_worker_job_per_host(tmp_path: Path):

@@ -41,8 +41,10 @@ def assert_trained_in_lockstep(chief, worker):
 def test_two_workers_train_in_lockstep(tmp_path):
     ports = [free_port(), free_port()]
     groups = {"workers": ["w0", "w1"]}
-    hostvars = {name: {"ansible_host": "127.0.0.1", "bigmem_train_worker_port": port}
-                for name, port in zip(groups["workers"], ports)}
+    hostvars = {
+        name: {"ansible_host": "127.0.0.1", "bigmem_train_worker_port": port}
+        for name, port in zip(groups["workers"], ports)
+    }
     # 12 cases: the split gives 9 training, 3 validation; evened to 8 and 4 for two workers (batch 2).
     config = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
     processes = []
@@ -51,13 +53,34 @@ def test_two_workers_train_in_lockstep(tmp_path):
         assert parse_tf_config(tf_config).index == index
         # Each worker has its own results folder, as two hosts would.
         results = tmp_path / name
-        environment = {**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2",
-                       "OMP_NUM_THREADS": "1"}
+        environment = {
+            **os.environ,
+            "TF_CONFIG": tf_config,
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "OMP_NUM_THREADS": "1",
+        }
         log = open(tmp_path / f"{name}.log", "w")
-        processes.append(subprocess.Popen(
-            [sys.executable, "-m", "bigmem_train.cli", "run", "--config", str(config), "--results", str(results),
-             "--run-name", "mw", "--set", "runtime.intra_op_threads=1"],
-            stdout=log, stderr=subprocess.STDOUT, env=environment))
+        processes.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "bigmem_train.cli",
+                    "run",
+                    "--config",
+                    str(config),
+                    "--results",
+                    str(results),
+                    "--run-name",
+                    "mw",
+                    "--set",
+                    "runtime.intra_op_threads=1",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environment,
+            )
+        )
     try:
         codes = [process.wait(timeout=600) for process in processes]
     finally:

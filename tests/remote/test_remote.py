@@ -21,9 +21,13 @@ EXECUTABLE = Path(sys.executable).with_name("bigmem-train")
 def remote(*args, inventory, timeout=300):
     """Run `bigmem-train remote ...` as a user would; returns the CompletedProcess (text)."""
     environment = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
-    return subprocess.run([sys.executable, "-m", "bigmem_train.cli", "remote", *map(str, args),
-                           "--inventory", str(inventory)],
-                          capture_output=True, text=True, timeout=timeout, env=environment)
+    return subprocess.run(
+        [sys.executable, "-m", "bigmem_train.cli", "remote", *map(str, args), "--inventory", str(inventory)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment,
+    )
 
 
 @pytest.fixture
@@ -94,8 +98,12 @@ def test_wrong_key_is_refused(inventory, sshd):
 
 
 def test_no_such_job_is_bad_input(inventory):
-    for action in (["status", "lab", "ghost"], ["logs", "lab", "ghost"], ["stop", "lab", "ghost"],
-                   ["fetch", "lab", "ghost", "--to", "fetched"]):
+    for action in (
+        ["status", "lab", "ghost"],
+        ["logs", "lab", "ghost"],
+        ["stop", "lab", "ghost"],
+        ["fetch", "lab", "ghost", "--to", "fetched"],
+    ):
         result = remote(*action, inventory=inventory)
         assert result.returncode == 2, action
         assert "no job named ghost on lab" in one_line(result)
@@ -161,8 +169,15 @@ def test_start_follow_status_fetch_a_tiny_job(inventory, tmp_path):
     assert fetched.returncode == 0, fetched.stderr
     assert "verdict PASS" in fetched.stdout
     run = tmp_path / "fetched" / "tiny"
-    for name in ("verdict.json", "report.html", "metrics.json", "history.csv", "memory.csv", "job.log",
-                 "checkpoints/last.keras"):
+    for name in (
+        "verdict.json",
+        "report.html",
+        "metrics.json",
+        "history.csv",
+        "memory.csv",
+        "job.log",
+        "checkpoints/last.keras",
+    ):
         assert (run / name).is_file(), name
     assert json.loads((run / "verdict.json").read_text())["verdict"] == "PASS"
 
@@ -172,22 +187,32 @@ def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
     """`remote start GROUP`: one worker per host, TF_CONFIG rendered per host; both train in lockstep."""
     hosts = "\n".join(
         f"w{index} ansible_host=127.0.0.1 ansible_port={sshd.port} bigmem_train_worker_port={free_port()} "
-        f"bigmem_train_remote_dir={tmp_path}/w{index}" for index in range(2))
+        f"bigmem_train_remote_dir={tmp_path}/w{index}"
+        for index in range(2)
+    )
     inventory = tmp_path / "workers.ini"
-    inventory.write_text(f"[workers]\n{hosts}\n\n[workers:vars]\nansible_user={sshd.user}\n"
-                         f"ansible_ssh_private_key_file={sshd.key_file}\nbigmem_train_executable={EXECUTABLE}\n")
+    inventory.write_text(
+        f"[workers]\n{hosts}\n\n[workers:vars]\nansible_user={sshd.user}\n"
+        f"ansible_ssh_private_key_file={sshd.key_file}\nbigmem_train_executable={EXECUTABLE}\n"
+    )
     config = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker")
     try:
         single = remote("start", "w0", "--config", config, "--name", "mw", "--no-docker", inventory=inventory)
         assert single.returncode == 2 and "give its group" in one_line(single)
-        started = remote("start", "workers", "--config", config, "--name", "mw", "--no-docker", inventory=inventory)
+        started = remote(
+            "start", "workers", "--config", config, "--name", "mw", "--no-docker", inventory=inventory
+        )
         assert started.returncode == 0, started.stderr
         assert "started mw on w0" in started.stdout and "started mw on w1" in started.stdout
         tf_config = json.loads(remote("tf-config", "w1", inventory=inventory).stdout)
-        assert tf_config["task"] == {"type": "worker", "index": 1} and len(tf_config["cluster"]["worker"]) == 2
+        assert (
+            tf_config["task"] == {"type": "worker", "index": 1} and len(tf_config["cluster"]["worker"]) == 2
+        )
 
         followed = remote("logs", "w0", "mw", "--follow", inventory=inventory, timeout=900)
-        assert "PASS" in followed.stdout, followed.stdout[-3000:] + remote("logs", "w1", "mw", inventory=inventory).stdout[-3000:]
+        assert "PASS" in followed.stdout, (
+            followed.stdout[-3000:] + remote("logs", "w1", "mw", inventory=inventory).stdout[-3000:]
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             reports = json.loads(remote("status", "workers", "mw", "--json", inventory=inventory).stdout)
@@ -201,12 +226,17 @@ def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
     chief = tmp_path / "w0" / "jobs" / "mw" / "results" / "mw"
     worker = tmp_path / "w1" / "jobs" / "mw" / "results" / "mw.worker1"
     assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
-    assert (chief / "checkpoints" / "last.keras").is_file() and (worker / "checkpoints" / "last.keras").is_file()
+    assert (chief / "checkpoints" / "last.keras").is_file() and (
+        worker / "checkpoints" / "last.keras"
+    ).is_file()
 
 
 def _docker_image_present(image: str) -> bool:
     try:
-        return subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode == 0
+        return (
+            subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -220,7 +250,9 @@ def test_container_job_over_ssh(inventory, tmp_path):
         pytest.skip(f"needs a Docker daemon with the {image} image (docker/build-image.sh)")
     config = write_tiny_job(tmp_path / "tiny.yaml", epochs=2)
     try:
-        started = remote("start", "lab", "--config", config, "--name", "boxed", "--image", image, inventory=inventory)
+        started = remote(
+            "start", "lab", "--config", config, "--name", "boxed", "--image", image, inventory=inventory
+        )
         assert started.returncode == 0, started.stderr
         assert "started boxed on lab (container " in started.stdout
         followed = remote("logs", "lab", "boxed", "--follow", inventory=inventory, timeout=900)

@@ -39,16 +39,22 @@ def test_status_names_an_oom_kill(sshd, tmp_path):
     wrapper = tmp_path / "bigmem-train-limited"
     # The kit this test session imports (a checkout's src/ may come before the installed one).
     source = Path(bigmem_train.__file__).resolve().parents[1]
-    wrapper.write_text(f"#!/bin/sh\necho $$ > {cgroup.folder}/cgroup.procs || exit 70\n"
-                       f"export BIGMEM_CALIBRATION={calibration} BIGMEM_CACHE_DIR={cache} PYTHONPATH={source}\n"
-                       f'exec {sys.executable} -m bigmem_train.cli "$@"\n')
+    wrapper.write_text(
+        f"#!/bin/sh\necho $$ > {cgroup.folder}/cgroup.procs || exit 70\n"
+        f"export BIGMEM_CALIBRATION={calibration} BIGMEM_CACHE_DIR={cache} PYTHONPATH={source}\n"
+        f'exec {sys.executable} -m bigmem_train.cli "$@"\n'
+    )
     wrapper.chmod(0o755)
     inventory = tmp_path / "inventory.ini"
-    inventory.write_text(f"lab ansible_host={sshd.host} ansible_port={sshd.port} ansible_user={sshd.user} "
-                         f"ansible_ssh_private_key_file={sshd.key_file} bigmem_train_remote_dir={tmp_path}/remote "
-                         f"bigmem_train_executable={wrapper}\n")
+    inventory.write_text(
+        f"lab ansible_host={sshd.host} ansible_port={sshd.port} ansible_user={sshd.user} "
+        f"ansible_ssh_private_key_file={sshd.key_file} bigmem_train_remote_dir={tmp_path}/remote "
+        f"bigmem_train_executable={wrapper}\n"
+    )
     try:
-        started = remote("start", "lab", "--config", config, "--name", "oom", "--no-docker", inventory=inventory)
+        started = remote(
+            "start", "lab", "--config", config, "--name", "oom", "--no-docker", inventory=inventory
+        )
         assert started.returncode == 0, started.stderr
         deadline = time.monotonic() + 300
         while True:

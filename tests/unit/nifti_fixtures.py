@@ -47,16 +47,24 @@ def phantom(shape=(16, 16, 12), channels: int | None = 4, seed: int = 0) -> tupl
     planes = 1 if channels is None else channels
     image = np.zeros((*shape, planes), dtype=np.float32)
     for channel in range(planes):
-        image[..., channel] = np.where(head, 100 + 50 * channel + 300 * (label > 0) + rng.normal(0, 5, shape), 0)
+        image[..., channel] = np.where(
+            head, 100 + 50 * channel + 300 * (label > 0) + rng.normal(0, 5, shape), 0
+        )
     return (image[..., 0] if channels is None else image), label
 
 
 def small_config(path: Path | None = None, **data) -> Config:
     """A valid config with a depth-2 U-Net, so 16x16x12 inputs are allowed."""
-    data_section = {"source": "decathlon", "path": str(path or "/nonexistent"), "input_shape": [16, 16, 12],
-                    "crop_jitter": 2, **data}
+    data_section = {
+        "source": "decathlon",
+        "path": str(path or "/nonexistent"),
+        "input_shape": [16, 16, 12],
+        "crop_jitter": 2,
+        **data,
+    }
     model = {"depth": 2, "base_filters": 2}
     if data_section.get("label_mode") == "multiclass":
         model["output_classes"] = 4
-    return config_from_dict({"data": data_section, "model": model,
-                             "training": {"batch_size": 2, "epochs": 1}})
+    return config_from_dict(
+        {"data": data_section, "model": model, "training": {"batch_size": 2, "epochs": 1}}
+    )

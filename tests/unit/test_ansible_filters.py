@@ -30,26 +30,58 @@ def test_changed_items_compare_typed_and_string_values():
 
 def test_registry_errors_name_read_only_and_unknown_values():
     registry = [
-        {"AttributeName": "SysProfile", "Type": "Enumeration", "ReadOnly": False,
-         "Value": [{"ValueName": "PerfOptimized"}, {"ValueName": "Custom"}]},
+        {
+            "AttributeName": "SysProfile",
+            "Type": "Enumeration",
+            "ReadOnly": False,
+            "Value": [{"ValueName": "PerfOptimized"}, {"ValueName": "Custom"}],
+        },
         {"AttributeName": "SerialNumber", "Type": "String", "ReadOnly": True},
     ]
     assert filters.bigmem_registry_errors({"SysProfile": "Custom"}, registry) == []
     errors = filters.bigmem_registry_errors({"SysProfile": "Fast", "SerialNumber": "x", "Other": 1}, registry)
-    assert errors == ["SysProfile=Fast is not one of PerfOptimized, Custom", "SerialNumber is read-only on this BMC"]
+    assert errors == [
+        "SysProfile=Fast is not one of PerfOptimized, Custom",
+        "SerialNumber is read-only on this BMC",
+    ]
     # An unchanged read-only value is not written, so not a problem.
     assert filters.bigmem_registry_errors({"SerialNumber": "x"}, registry, [], {"SerialNumber": "x"}) == []
 
 
 # Dell's rule, as iDRAC's registry states it: ProcCStates is read-only while SysProfile is not Custom.
-DEPENDENCIES = [{"DependencyFor": "ProcCStates", "Type": "Map", "Dependency": {
-    "MapFrom": [{"MapFromAttribute": "SysProfile", "MapFromProperty": "CurrentValue", "MapFromCondition": "NEQ",
-                 "MapFromValue": "Custom"}],
-    "MapToAttribute": "ProcCStates", "MapToProperty": "ReadOnly", "MapToValue": True}}]
-REGISTRY = [{"AttributeName": "ProcCStates", "Type": "Enumeration", "ReadOnly": True,  # follows the current values
-             "Value": [{"ValueName": "Enabled"}, {"ValueName": "Disabled"}]},
-            {"AttributeName": "SysProfile", "Type": "Enumeration", "ReadOnly": False,
-             "Value": [{"ValueName": "PerfPerWattOptimizedDapc"}, {"ValueName": "Custom"}]}]
+DEPENDENCIES = [
+    {
+        "DependencyFor": "ProcCStates",
+        "Type": "Map",
+        "Dependency": {
+            "MapFrom": [
+                {
+                    "MapFromAttribute": "SysProfile",
+                    "MapFromProperty": "CurrentValue",
+                    "MapFromCondition": "NEQ",
+                    "MapFromValue": "Custom",
+                }
+            ],
+            "MapToAttribute": "ProcCStates",
+            "MapToProperty": "ReadOnly",
+            "MapToValue": True,
+        },
+    }
+]
+REGISTRY = [
+    {
+        "AttributeName": "ProcCStates",
+        "Type": "Enumeration",
+        "ReadOnly": True,  # follows the current values
+        "Value": [{"ValueName": "Enabled"}, {"ValueName": "Disabled"}],
+    },
+    {
+        "AttributeName": "SysProfile",
+        "Type": "Enumeration",
+        "ReadOnly": False,
+        "Value": [{"ValueName": "PerfPerWattOptimizedDapc"}, {"ValueName": "Custom"}],
+    },
+]
 CURRENT = {"SysProfile": "PerfPerWattOptimizedDapc", "ProcCStates": "Enabled", "BootMode": "Bios"}
 
 
@@ -59,11 +91,15 @@ def test_a_dependency_the_profile_changes_too_is_not_a_problem():
     errors = filters.bigmem_registry_errors({"ProcCStates": "Disabled"}, REGISTRY, DEPENDENCIES, CURRENT)
     assert errors == ["ProcCStates is read-only while SysProfile NEQ Custom: set that in the profile too"]
     # Without dependencies in the registry its ReadOnly flag counts (the old behaviour).
-    assert filters.bigmem_registry_errors(wanted, REGISTRY, [], CURRENT) == ["ProcCStates is read-only on this BMC"]
+    assert filters.bigmem_registry_errors(wanted, REGISTRY, [], CURRENT) == [
+        "ProcCStates is read-only on this BMC"
+    ]
 
 
 def test_plan_stages_the_dependency_first():
-    plan = filters.bigmem_bios_plan({"ProcCStates": "Disabled", "SysProfile": "Custom"}, CURRENT, {}, DEPENDENCIES)
+    plan = filters.bigmem_bios_plan(
+        {"ProcCStates": "Disabled", "SysProfile": "Custom"}, CURRENT, {}, DEPENDENCIES
+    )
     assert list(plan["stage"]) == ["SysProfile", "ProcCStates"]
     assert not plan["conflict"] and not plan["already_pending"]
     assert plan["before"] == {"SysProfile": "PerfPerWattOptimizedDapc", "ProcCStates": "Enabled"}
@@ -94,11 +130,20 @@ def test_plan_with_other_values_pending_stops_unless_replacing():
 
 
 def test_member_uris():
-    assert filters.bigmem_member_uris({"Members": [{"@odata.id": "/redfish/v1/Systems/1"}, {}]}) == ["/redfish/v1/Systems/1"]
+    assert filters.bigmem_member_uris({"Members": [{"@odata.id": "/redfish/v1/Systems/1"}, {}]}) == [
+        "/redfish/v1/Systems/1"
+    ]
 
 
-@pytest.mark.parametrize("text, value", [("always [madvise] never\n", "madvise"), ("performance\n", "performance"),
-                                         ("0\n", "0"), ("[always] defer defer+madvise madvise never", "always")])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("always [madvise] never\n", "madvise"),
+        ("performance\n", "performance"),
+        ("0\n", "0"),
+        ("[always] defer defer+madvise madvise never", "always"),
+    ],
+)
 def test_sysfs_value(text, value):
     assert filters.bigmem_sysfs_value(text) == value
 
@@ -107,4 +152,6 @@ def test_reduced_memory_modes():
     modes = {"MemOpMode": ["MirrorMode", "SpareMode"], "AdvancedMemProtection": ["MirroredAdvancedEcc"]}
     assert filters.bigmem_reduced_memory_modes({"MemOpMode": "OptimizerMode"}, modes) == []
     assert filters.bigmem_reduced_memory_modes({"MemOpMode": "MirrorMode"}, modes) == ["MemOpMode=MirrorMode"]
-    assert filters.bigmem_reduced_memory_modes({}, modes, "System") == ["MemorySummary.MemoryMirroring=System"]
+    assert filters.bigmem_reduced_memory_modes({}, modes, "System") == [
+        "MemorySummary.MemoryMirroring=System"
+    ]

@@ -63,8 +63,10 @@ def test_inventory_has_the_lab_group_and_the_demo_host():
 
 
 def test_installed_collections_are_the_pinned_ones():
-    pinned = {entry["name"]: entry["version"]
-              for entry in yaml.safe_load((ANSIBLE_DIR / "requirements.yml").read_text())["collections"]}
+    pinned = {
+        entry["name"]: entry["version"]
+        for entry in yaml.safe_load((ANSIBLE_DIR / "requirements.yml").read_text())["collections"]
+    }
     result = run(tool("ansible-galaxy"), "collection", "list", "--format", "json")
     assert result.returncode == 0, result.stderr
     installed = {}
@@ -88,7 +90,9 @@ def test_every_role_default_is_prefixed_and_documented_in_group_vars():
         documented |= set(re.findall(r"^# (bigmem_\w+):", path.read_text(), flags=re.M))
     for role, names in role_defaults().items():
         for name in names:
-            assert name.startswith(role + "_") or name.startswith("bigmem_"), f"{role}: {name} is not prefixed"
+            assert name.startswith(role + "_") or name.startswith("bigmem_"), (
+                f"{role}: {name} is not prefixed"
+            )
             assert name in documented, f"{role}: {name} is not shown in group_vars/all/"
     text = (ANSIBLE_DIR / "roles" / "bigmem" / "defaults" / "main.yml").read_text()
     for name in role_defaults()["bigmem"]:
@@ -99,8 +103,15 @@ def test_every_role_default_is_prefixed_and_documented_in_group_vars():
 def test_site_reads_like_a_table_of_contents():
     plays = yaml.safe_load((ANSIBLE_DIR / "site.yml").read_text())
     roles = [play["roles"][0] for play in plays]
-    assert [role["role"] for role in roles] == ["bigmem_preflight", "bigmem_bios", "bigmem_os_tuning", "bigmem_reboot",
-                                                "bigmem_docker_engine", "bigmem_image", "bigmem_train"]
+    assert [role["role"] for role in roles] == [
+        "bigmem_preflight",
+        "bigmem_bios",
+        "bigmem_os_tuning",
+        "bigmem_reboot",
+        "bigmem_docker_engine",
+        "bigmem_image",
+        "bigmem_train",
+    ]
     assert all(role.get("tags") for role in roles)
     # Every stage has its feature flag; the reboot stage decides for itself (it has nothing to do unless
     # bios or os_tuning left something for the next boot), and runs with their tags.
@@ -123,21 +134,36 @@ def test_root_ansible_cfg_has_the_settings_of_the_ansible_folder():
     # Ansible reads only the ansible.cfg of the current folder: the root one must not drift from ansible/'s.
     root, inner = _cfg(REPO / "ansible.cfg"), _cfg(ANSIBLE_DIR / "ansible.cfg")
     assert root.keys() == inner.keys()
-    paths = {("defaults", "inventory"), ("defaults", "roles_path"), ("defaults", "filter_plugins"),
-             ("defaults", "collections_path")}
+    paths = {
+        ("defaults", "inventory"),
+        ("defaults", "roles_path"),
+        ("defaults", "filter_plugins"),
+        ("defaults", "collections_path"),
+    }
     for key in root.keys() - paths:
         assert root[key] == inner[key], key
     for key in paths:  # the same folders, each named from its own file's folder
-        resolve = [[os.path.normpath(base / part) if not part.startswith(("~", "/")) else part
-                    for part in cfg[key].split(":")] for base, cfg in ((REPO, root), (ANSIBLE_DIR, inner))]
+        resolve = [
+            [
+                os.path.normpath(base / part) if not part.startswith(("~", "/")) else part
+                for part in cfg[key].split(":")
+            ]
+            for base, cfg in ((REPO, root), (ANSIBLE_DIR, inner))
+        ]
         assert resolve[0] == resolve[1], key
 
 
 def _config_dump(cwd: Path) -> dict[str, str]:
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     env.pop("ANSIBLE_CONFIG", None)
-    result = subprocess.run([tool("ansible-config"), "dump", "--only-changed", "--format", "json"], cwd=cwd,
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [tool("ansible-config"), "dump", "--only-changed", "--format", "json"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr
     return {entry["name"]: entry["value"] for entry in json.loads(result.stdout) if "name" in entry}
 
@@ -146,12 +172,24 @@ def test_the_readme_command_works_from_the_repository_root():
     """`ansible-playbook site.yml` from the root: the playbook is found, ansible.cfg's settings apply."""
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     env.pop("ANSIBLE_CONFIG", None)
-    result = subprocess.run([tool("ansible-playbook"), "site.yml", "--syntax-check"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300, env=env)
+    result = subprocess.run(
+        [tool("ansible-playbook"), "site.yml", "--syntax-check"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "WARNING" not in result.stderr, result.stderr
-    listed = subprocess.run([tool("ansible-playbook"), "site.yml", "--list-tasks", "--limit", "demo"], cwd=REPO,
-                            capture_output=True, text=True, timeout=300, env=env)
+    listed = subprocess.run(
+        [tool("ansible-playbook"), "site.yml", "--list-tasks", "--limit", "demo"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert listed.returncode == 0, listed.stdout + listed.stderr
     assert "bigmem_train : Run the job" in listed.stdout, listed.stdout
     root, inner = _config_dump(REPO), _config_dump(ANSIBLE_DIR)
@@ -161,6 +199,11 @@ def test_the_readme_command_works_from_the_repository_root():
 
 
 def test_root_site_yml_passes_yamllint():
-    result = subprocess.run([tool("yamllint"), "--strict", "-c", str(ANSIBLE_DIR / ".yamllint"), "site.yml"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [tool("yamllint"), "--strict", "-c", str(ANSIBLE_DIR / ".yamllint"), "site.yml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -13,8 +13,17 @@ SCRIPT = REPO / "docker" / "build_context.py"
 
 def context_copy(tmp_path: Path) -> Path:
     root = tmp_path / "repo"
-    for name in ("pyproject.toml", "README.md", ".dockerignore", "docker/Dockerfile", "docker/requirements.lock",
-                 "docker/build-base-image.sh", "docker/build_context.py", "src/bigmem_train/__init__.py", "templates/train.yaml.j2"):
+    for name in (
+        "pyproject.toml",
+        "README.md",
+        ".dockerignore",
+        "docker/Dockerfile",
+        "docker/requirements.lock",
+        "docker/build-base-image.sh",
+        "docker/build_context.py",
+        "src/bigmem_train/__init__.py",
+        "templates/train.yaml.j2",
+    ):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO / name, root / name)
     return root

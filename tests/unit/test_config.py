@@ -58,7 +58,9 @@ def test_missing_config_file(tmp_path):
 
 
 def test_overrides_are_typed_and_validated(tmp_path):
-    config = load_config(None, dict([parse_override("training.epochs=3"), parse_override("data.channels=all")]))
+    config = load_config(
+        None, dict([parse_override("training.epochs=3"), parse_override("data.channels=all")])
+    )
     assert config.training.epochs == 3 and config.data.channels == "all"
     assert config.num_channels == 4
     with pytest.raises(BadInput, match="training.epochs"):
@@ -74,11 +76,15 @@ def test_resolved_config_round_trips(tmp_path):
 
 
 def test_a_key_given_twice_is_refused_naming_the_key_and_both_lines(tmp_path):
-    path = write(tmp_path, "model:\n  base_filters: 16\n  depth: 3\n  base_filters: 32\ntraining:\n  epochs: 2\n")
+    path = write(
+        tmp_path, "model:\n  base_filters: 16\n  depth: 3\n  base_filters: 32\ntraining:\n  epochs: 2\n"
+    )
     with pytest.raises(BadInput) as error:
         load_config(path)
     message = str(error.value)
-    assert message == (f"config file {path}: key 'base_filters' is given twice in one mapping (lines 2 and 4)")
+    assert message == (
+        f"config file {path}: key 'base_filters' is given twice in one mapping (lines 2 and 4)"
+    )
     # A section given twice is refused too, at the top level.
     path = write(tmp_path, "training:\n  epochs: 2\nmodel:\n  depth: 2\ntraining:\n  epochs: 3\n")
     with pytest.raises(BadInput, match=r"key 'training' is given twice in one mapping \(lines 1 and 5\)"):
@@ -100,8 +106,10 @@ def test_duplicate_key_exits_2_from_the_cli(tmp_path, capsys):
     path = write(tmp_path, "model:\n  base_filters: 16\n  base_filters: 32\n")
     assert main(["plan", "--config", str(path)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == [f"bigmem-train: error: config file {path}: key 'base_filters' is given twice in one "
-                     "mapping (lines 2 and 3)"]
+    assert lines == [
+        f"bigmem-train: error: config file {path}: key 'base_filters' is given twice in one "
+        "mapping (lines 2 and 3)"
+    ]
 
 
 def test_levers_off_written_bare_in_yaml_is_the_word_not_a_boolean(tmp_path):

@@ -12,14 +12,24 @@ from bigmem_train.conv import (
 )
 
 
-@pytest.mark.parametrize(("spatial", "cin", "cout", "fits"), [
-    # What oneDNN 3.7 created for the filter gradient on the AVX2 machine of issue 14 (ONEDNN_VERBOSE=2).
-    ((240, 240, 144), 16, 16, True), ((240, 240, 144), 16, 32, True), ((240, 120, 144), 32, 16, True),
-    ((240, 240, 72), 32, 16, True), ((192, 192, 144), 32, 16, True), ((160, 160, 144), 32, 16, True),
-    ((128, 128, 128), 32, 16, True), ((240, 240, 144), 32, 16, False), ((240, 240, 144), 32, 32, False),
-    # The boundary in depth at 240x144 in-plane, 32 -> 16 (also probed: tests/integration/test_onednn_cliff.py).
-    ((215, 240, 144), 32, 16, True), ((216, 240, 144), 32, 16, False),
-])
+@pytest.mark.parametrize(
+    ("spatial", "cin", "cout", "fits"),
+    [
+        # What oneDNN 3.7 created for the filter gradient on the AVX2 machine of issue 14 (ONEDNN_VERBOSE=2).
+        ((240, 240, 144), 16, 16, True),
+        ((240, 240, 144), 16, 32, True),
+        ((240, 120, 144), 32, 16, True),
+        ((240, 240, 72), 32, 16, True),
+        ((192, 192, 144), 32, 16, True),
+        ((160, 160, 144), 32, 16, True),
+        ((128, 128, 128), 32, 16, True),
+        ((240, 240, 144), 32, 16, False),
+        ((240, 240, 144), 32, 32, False),
+        # The boundary in depth at 240x144 in-plane, 32 -> 16 (also probed: tests/integration/test_onednn_cliff.py).
+        ((215, 240, 144), 32, 16, True),
+        ((216, 240, 144), 32, 16, False),
+    ],
+)
 def test_gemm_limit_reproduces_onednn_decisions(spatial, cin, cout, fits):
     assert gemm_backward_weights_fits(ConvGeometry(spatial, cin, cout)) is fits
 
@@ -31,7 +41,10 @@ def test_scratchpad_is_the_three_bookings():
     reduction = 4 * (4 * 16 * 32 * 27)
     assert gemm_backward_weights_scratchpad_bytes(geometry) == im2col + transposed_input + reduction + 3 * 128
     # Several threads each book their own copies (only when oneDNN threads over a batch of samples).
-    assert gemm_backward_weights_scratchpad_bytes(geometry, 2) == 2 * (im2col + transposed_input + reduction) + 3 * 128
+    assert (
+        gemm_backward_weights_scratchpad_bytes(geometry, 2)
+        == 2 * (im2col + transposed_input + reduction) + 3 * 128
+    )
 
 
 def test_depth_chunk_is_the_fewest_equal_chunks_under_the_limit():
@@ -139,8 +152,10 @@ def test_chunked_layer_trains_under_a_distribution_strategy_like_conv3d():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
     models = []
     with strategy.scope():
-        for layer in (ChunkedConv3D(3, 3, padding="same", scratchpad_limit_bytes=limit, name="conv"),
-                      keras.layers.Conv3D(3, 3, padding="same", name="conv")):
+        for layer in (
+            ChunkedConv3D(3, 3, padding="same", scratchpad_limit_bytes=limit, name="conv"),
+            keras.layers.Conv3D(3, 3, padding="same", name="conv"),
+        ):
             inputs = keras.Input((10, 6, 5, 2))
             model = keras.Model(inputs, layer(inputs))
             model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")

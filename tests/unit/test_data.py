@@ -33,6 +33,7 @@ def one_case(tmp_path, image, label, **save_options) -> Case:
 
 # --- index and checks ---------------------------------------------------------------------------
 
+
 def test_read_index_and_check_dataset(dataset):
     cases = check_dataset(small_config(dataset))
     assert [case.name for case in cases] == ["CASE_001", "CASE_002", "CASE_003", "CASE_004"]
@@ -82,7 +83,9 @@ def test_truncated_plain_nifti(tmp_path):
     folder = tmp_path / "plain"
     save_nifti(image, folder / "image.nii")
     save_nifti(label, folder / "label.nii")
-    (folder / "dataset.json").write_text(json.dumps({"training": [{"image": "image.nii", "label": "label.nii"}]}))
+    (folder / "dataset.json").write_text(
+        json.dumps({"training": [{"image": "image.nii", "label": "label.nii"}]})
+    )
     content = (folder / "image.nii").read_bytes()
     (folder / "image.nii").write_bytes(content[:-100])
     assert_bad_input(lambda: check_dataset(small_config(folder)), folder / "image.nii")
@@ -126,8 +129,9 @@ def test_non_finite_image_values_are_refused_at_check_time(tmp_path, value, suff
     folder = tmp_path / "d"
     save_nifti(image, folder / f"image{suffix}")
     save_nifti(label, folder / f"label{suffix}")
-    (folder / "dataset.json").write_text(json.dumps({"training": [{"image": f"image{suffix}",
-                                                                   "label": f"label{suffix}"}]}))
+    (folder / "dataset.json").write_text(
+        json.dumps({"training": [{"image": f"image{suffix}", "label": f"label{suffix}"}]})
+    )
     with pytest.raises(BadInput, match=r"5 of 12288 voxel values are NaN or infinite") as caught:
         check_dataset(small_config(folder))
     assert str(folder / f"image{suffix}") in str(caught.value)
@@ -169,7 +173,9 @@ def test_other_higher_dimensional_images_are_refused(tmp_path, shape):
 
 
 def test_empty_axis_is_refused(tmp_path):
-    folder = write_dataset(tmp_path / "d", [(np.zeros((16, 16, 0, 4), np.float32), np.zeros((16, 16, 0), np.uint8))])
+    folder = write_dataset(
+        tmp_path / "d", [(np.zeros((16, 16, 0, 4), np.float32), np.zeros((16, 16, 0), np.uint8))]
+    )
     with pytest.raises(BadInput, match="has an empty axis"):
         read_index(folder)
 
@@ -180,7 +186,9 @@ def test_label_oriented_differently_from_the_image_is_refused(tmp_path):
     folder.mkdir()
     nib.save(nib.Nifti1Image(image, np.eye(4)), folder / "image.nii.gz")
     nib.save(nib.Nifti1Image(label, np.diag([-1.0, 1.0, 1.0, 1.0])), folder / "label.nii.gz")
-    (folder / "dataset.json").write_text(json.dumps({"training": [{"image": "image.nii.gz", "label": "label.nii.gz"}]}))
+    (folder / "dataset.json").write_text(
+        json.dumps({"training": [{"image": "image.nii.gz", "label": "label.nii.gz"}]})
+    )
     with pytest.raises(BadInput, match=r"oriented LAS but the image's are RAS") as caught:
         check_dataset(small_config(folder))
     assert str(folder / "label.nii.gz") in str(caught.value)
@@ -193,6 +201,7 @@ def test_label_oriented_differently_from_the_image_is_refused(tmp_path):
 
 
 # --- reading: dtypes, scaling, channels, labels ---------------------------------------------------
+
 
 def test_int16_with_scl_slope_and_inter(tmp_path):
     stored = np.arange(16 * 16 * 12 * 2, dtype=np.int16).reshape(16, 16, 12, 2) % 1000
@@ -260,9 +269,10 @@ def test_zscore_over_the_brain(tmp_path):
 
 # --- crop and pad --------------------------------------------------------------------------------
 
+
 def coded_case(tmp_path, shape):
     """A 3D image whose voxel values encode their position, and a label = (value > threshold)."""
-    stored = (np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1)
+    stored = np.arange(np.prod(shape), dtype=np.float32).reshape(shape) + 1
     label = (stored > stored.max() / 2).astype(np.uint8)
     return one_case(tmp_path, stored, label), stored
 
@@ -311,6 +321,7 @@ def test_training_offset_stays_within_jitter(tmp_path):
 
 # --- split ---------------------------------------------------------------------------------------
 
+
 def make_cases(count):
     return [Case(f"C{index}", f"i{index}", f"l{index}", (1, 1, 1), 1) for index in range(count)]
 
@@ -329,6 +340,7 @@ def test_split_is_seeded_disjoint_and_non_empty():
 
 
 # --- tf.data -------------------------------------------------------------------------------------
+
 
 def test_make_datasets_batches_and_steps(tmp_path):
     folder = write_dataset(tmp_path / "d", [phantom(shape=(18, 15, 12), seed=seed) for seed in range(5)])

@@ -35,13 +35,16 @@ def test_parse_and_roles():
     assert not is_chief({"TF_CONFIG": tf_config(1)}) and worker_count({"TF_CONFIG": tf_config(1)}) == 2
 
 
-@pytest.mark.parametrize("text, message", [
-    ("{", "not valid JSON"),
-    ('{"cluster": {}}', 'needs "cluster" and "task"'),
-    ('{"cluster": {"worker": ["nohost"]}, "task": {"type": "worker", "index": 0}}', "host:port"),
-    (tf_config(2), "does not name one of the cluster's members"),
-    (tf_config(0, ("a:1", "a:1")), "lists an address twice"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("{", "not valid JSON"),
+        ('{"cluster": {}}', 'needs "cluster" and "task"'),
+        ('{"cluster": {"worker": ["nohost"]}, "task": {"type": "worker", "index": 0}}', "host:port"),
+        (tf_config(2), "does not name one of the cluster's members"),
+        (tf_config(0, ("a:1", "a:1")), "lists an address twice"),
+    ],
+)
 def test_bad_tf_config_is_one_clear_line(text, message):
     with pytest.raises(BadInput, match=message):
         parse_tf_config(text)
@@ -81,7 +84,9 @@ def test_template_renders_workers_in_inventory_order():
         render_tf_config(GROUPS, HOSTVARS, "elsewhere", "workers")
 
 
-@pytest.mark.skipif(not shutil.which("ansible", path=str(Path(sys.executable).parent)), reason="needs ansible-core")
+@pytest.mark.skipif(
+    not shutil.which("ansible", path=str(Path(sys.executable).parent)), reason="needs ansible-core"
+)
 def test_ansible_renders_the_same_template(tmp_path):
     """One source of truth: Ansible's templating gives the same TF_CONFIG as the CLI."""
     inventory = tmp_path / "inventory.ini"
@@ -92,9 +97,23 @@ def test_ansible_renders_the_same_template(tmp_path):
     inventory.write_text("\n".join(lines) + "\n")
     template = templates_dir() / "tf_config.json.j2"
     result = subprocess.run(
-        [str(Path(sys.executable).with_name("ansible")), "workers", "-i", str(inventory), "-o", "-m", "debug",
-         "-a", f"msg={{{{ lookup('template', '{template}') }}}}", "-e", "bigmem_train_group=workers"],
-        capture_output=True, text=True, timeout=120)
+        [
+            str(Path(sys.executable).with_name("ansible")),
+            "workers",
+            "-i",
+            str(inventory),
+            "-o",
+            "-m",
+            "debug",
+            "-a",
+            f"msg={{{{ lookup('template', '{template}') }}}}",
+            "-e",
+            "bigmem_train_group=workers",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for line in result.stdout.splitlines():
         host, _, rest = line.partition(" | SUCCESS => ")

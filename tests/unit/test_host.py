@@ -63,12 +63,15 @@ def test_no_cgroup_at_all(tmp_path):
     assert read_cgroup_memory(tmp_path) == (None, None, None)
 
 
-@pytest.mark.parametrize("name, nodes, cpus_per_node", [
-    ("one_node_cgroup2", [0], [16]),
-    ("two_node_cgroup1", [0, 1], [16, 16]),
-    ("four_node_cxl_cgroup2", [0, 1, 2, 3], [32, 32, 0, 0]),
-    ("two_node_pmem_cgroup1", [0, 1], [8, 0]),
-])
+@pytest.mark.parametrize(
+    "name, nodes, cpus_per_node",
+    [
+        ("one_node_cgroup2", [0], [16]),
+        ("two_node_cgroup1", [0, 1], [16, 16]),
+        ("four_node_cxl_cgroup2", [0, 1, 2, 3], [32, 32, 0, 0]),
+        ("two_node_pmem_cgroup1", [0, 1], [8, 0]),
+    ],
+)
 def test_numa_nodes_and_memory_only_nodes(name, nodes, cpus_per_node):
     host = facts(name)
     assert [node.node_id for node in host.numa_nodes] == nodes

@@ -22,9 +22,15 @@ def test_study_tile_chunks_exactly_the_layer_past_the_limit(capsys):
     assert {check.layer: check.chunk for check in checks if check.chunk} == {"up0_conv1": 120}
 
     plain = keras.models.clone_model(
-        model, clone_function=lambda layer: keras.layers.Conv3D.from_config(
-            {key: value for key, value in layer.get_config().items() if key != "scratchpad_limit_bytes"})
-        if isinstance(layer, ChunkedConv3D) else layer.__class__.from_config(layer.get_config()))
+        model,
+        clone_function=lambda layer: (
+            keras.layers.Conv3D.from_config(
+                {key: value for key, value in layer.get_config().items() if key != "scratchpad_limit_bytes"}
+            )
+            if isinstance(layer, ChunkedConv3D)
+            else layer.__class__.from_config(layer.get_config())
+        ),
+    )
     flagged = [check for check in check_model(plain, family=GEMM_FAMILY) if check.reference]
     assert [check.layer for check in flagged] == ["up0_conv1"]
     warnings = warn_reference_kernels(flagged)
@@ -42,9 +48,14 @@ def test_other_kernel_families_have_no_gemm_limit():
 
 
 def test_parse_create_lines():
-    line = ("onednn_verbose,v1,primitive,create:cache_miss,cpu,convolution,ref:any,backward_weights,"
-            "src:f32::blocked:acdeb::f0 wei:f32:a:blocked:abcde::f0 bia:undef::undef::: dst:f32::blocked:acdeb::f0,,"
-            "alg:convolution_direct,mb1_ic32oc16_id240od240kd3sd1dd0pd1_ih240oh240kh3sh1dh0ph1_iw144ow144kw3sw1dw0pw1,0.03")
-    assert _parse_create(line) == ("ref:any", "mb1_ic32oc16_id240od240kd3sd1dd0pd1_ih240oh240kh3sh1dh0ph1_iw144ow144kw3sw1dw0pw1")
+    line = (
+        "onednn_verbose,v1,primitive,create:cache_miss,cpu,convolution,ref:any,backward_weights,"
+        "src:f32::blocked:acdeb::f0 wei:f32:a:blocked:abcde::f0 bia:undef::undef::: dst:f32::blocked:acdeb::f0,,"
+        "alg:convolution_direct,mb1_ic32oc16_id240od240kd3sd1dd0pd1_ih240oh240kh3sh1dh0ph1_iw144ow144kw3sw1dw0pw1,0.03"
+    )
+    assert _parse_create(line) == (
+        "ref:any",
+        "mb1_ic32oc16_id240od240kd3sd1dd0pd1_ih240oh240kh3sh1dh0ph1_iw144ow144kw3sw1dw0pw1",
+    )
     assert _parse_create(line.replace("backward_weights", "backward_data")) is None
     assert _parse_create("onednn_verbose,v1,primitive,exec,cpu,reorder,jit:uni,undef,src,,,4x4,3.3") is None

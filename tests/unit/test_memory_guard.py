@@ -16,9 +16,16 @@ from bigmem_train.errors import BadInput
 from bigmem_train.guard import MemoryGuard, Trip, stop_message
 from bigmem_train.host import find_memory_cgroup, oom_kill_count
 from bigmem_train.monitor import CSV_COLUMNS, MemoryProbe, MemorySample, MemorySampler
-from bigmem_train.rundir import read_memory_csv
 from bigmem_train.postmortem import container_id, diagnose, explain
-from bigmem_train.rundir import FINISHED, STOPPED, prepare_run_dir, process_identity, read_state, set_state
+from bigmem_train.rundir import (
+    FINISHED,
+    STOPPED,
+    prepare_run_dir,
+    process_identity,
+    read_memory_csv,
+    read_state,
+    set_state,
+)
 
 GIB = 1024**3
 MIB = 1024**2
@@ -34,33 +41,44 @@ def write(root: Path, files: dict[str, str]) -> Path:
 
 def v2_layout(root: Path, current: int = 3 * GIB, inactive_file: int = GIB, oom_kill: int = 2) -> Path:
     """A container's cgroup v2 view: the limit sits on the parent slice, the run's cgroup has none."""
-    return write(root, {
-        "proc/self/cgroup": "0::/job.slice/run\n",
-        "sys/fs/cgroup/cgroup.controllers": "cpu memory pids\n",
-        "sys/fs/cgroup/job.slice/memory.max": f"{4 * GIB}\n",
-        "sys/fs/cgroup/job.slice/run/memory.max": "max\n",
-        "sys/fs/cgroup/job.slice/run/memory.current": f"{current}\n",
-        "sys/fs/cgroup/job.slice/run/memory.peak": f"{current + MIB}\n",
-        "sys/fs/cgroup/job.slice/run/memory.stat": f"anon {current - inactive_file}\nfile {inactive_file}\n"
-                                                   f"inactive_file {inactive_file}\n",
-        "sys/fs/cgroup/job.slice/run/memory.events": f"low 0\nhigh 0\nmax 5\noom 3\noom_kill {oom_kill}\n",
-    })
+    return write(
+        root,
+        {
+            "proc/self/cgroup": "0::/job.slice/run\n",
+            "sys/fs/cgroup/cgroup.controllers": "cpu memory pids\n",
+            "sys/fs/cgroup/job.slice/memory.max": f"{4 * GIB}\n",
+            "sys/fs/cgroup/job.slice/run/memory.max": "max\n",
+            "sys/fs/cgroup/job.slice/run/memory.current": f"{current}\n",
+            "sys/fs/cgroup/job.slice/run/memory.peak": f"{current + MIB}\n",
+            "sys/fs/cgroup/job.slice/run/memory.stat": f"anon {current - inactive_file}\nfile {inactive_file}\n"
+            f"inactive_file {inactive_file}\n",
+            "sys/fs/cgroup/job.slice/run/memory.events": f"low 0\nhigh 0\nmax 5\noom 3\noom_kill {oom_kill}\n",
+        },
+    )
 
 
-def v1_layout(root: Path, usage: int = 3 * GIB, inactive_file: int = GIB, limit: int | str = 2**63 - 4096,
-              hierarchical: int = 6 * GIB) -> Path:
+def v1_layout(
+    root: Path,
+    usage: int = 3 * GIB,
+    inactive_file: int = GIB,
+    limit: int | str = 2**63 - 4096,
+    hierarchical: int = 6 * GIB,
+) -> Path:
     """A hybrid host (v2 mounted at unified/ without the memory controller), the run in a v1 docker cgroup."""
-    return write(root, {
-        "proc/self/cgroup": "9:name=systemd:/\n4:memory:/docker/abc\n0::/\n",
-        "sys/fs/cgroup/unified/cgroup.controllers": "hugetlb\n",
-        "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": f"{limit}\n",
-        "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{usage}\n",
-        "sys/fs/cgroup/memory/docker/abc/memory.max_usage_in_bytes": f"{usage + MIB}\n",
-        "sys/fs/cgroup/memory/docker/abc/memory.stat": f"cache {inactive_file}\nrss {usage - inactive_file}\n"
-                                                       f"hierarchical_memory_limit {hierarchical}\n"
-                                                       f"total_inactive_file {inactive_file}\n",
-        "sys/fs/cgroup/memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
-    })
+    return write(
+        root,
+        {
+            "proc/self/cgroup": "9:name=systemd:/\n4:memory:/docker/abc\n0::/\n",
+            "sys/fs/cgroup/unified/cgroup.controllers": "hugetlb\n",
+            "sys/fs/cgroup/memory/docker/abc/memory.limit_in_bytes": f"{limit}\n",
+            "sys/fs/cgroup/memory/docker/abc/memory.usage_in_bytes": f"{usage}\n",
+            "sys/fs/cgroup/memory/docker/abc/memory.max_usage_in_bytes": f"{usage + MIB}\n",
+            "sys/fs/cgroup/memory/docker/abc/memory.stat": f"cache {inactive_file}\nrss {usage - inactive_file}\n"
+            f"hierarchical_memory_limit {hierarchical}\n"
+            f"total_inactive_file {inactive_file}\n",
+            "sys/fs/cgroup/memory/docker/abc/memory.oom_control": "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+        },
+    )
 
 
 def test_v2_counters_limit_from_an_ancestor(tmp_path):
@@ -75,7 +93,9 @@ def test_v2_counters_limit_from_an_ancestor(tmp_path):
 def test_v1_counters_hybrid_layout(tmp_path):
     cgroup = find_memory_cgroup(v1_layout(tmp_path))
     assert (cgroup.version, cgroup.path) == (1, "/docker/abc")
-    assert cgroup.limit_bytes() == 6 * GIB  # "no limit" of its own, the parent's through hierarchical_memory_limit
+    assert (
+        cgroup.limit_bytes() == 6 * GIB
+    )  # "no limit" of its own, the parent's through hierarchical_memory_limit
     assert (cgroup.usage_bytes(), cgroup.peak_bytes()) == (3 * GIB, 3 * GIB + MIB)
     assert cgroup.inactive_file_bytes() == GIB
     assert cgroup.oom_kills() == 1 and cgroup.oom_counter_file.name == "memory.oom_control"
@@ -106,8 +126,14 @@ def test_probe_judges_rss_in_an_unlimited_cgroup(tmp_path):
 
 
 def sample(measured: int, usable: int, measure: str = "cgroup v2 working set") -> MemorySample:
-    return MemorySample(time.time(), rss_bytes=measured, charged_bytes=measured, working_set_bytes=measured,
-                        usable_bytes=usable, measure=measure)
+    return MemorySample(
+        time.time(),
+        rss_bytes=measured,
+        charged_bytes=measured,
+        working_set_bytes=measured,
+        usable_bytes=usable,
+        measure=measure,
+    )
 
 
 def test_guard_threshold_and_over_plan():
@@ -128,7 +154,9 @@ def test_guard_confirms_a_trip_with_fresh_page_cache_figures(tmp_path):
     write(tmp_path, {"sys/fs/cgroup/job.slice/memory.max": f"{int(3.1 * GIB)}\n"})
     probe = MemoryProbe(cgroup)
     guard = MemoryGuard(0.9, 0.1, 0.1, None, probe)
-    guard.observe(probe.read())  # no page-cache figure read yet: the whole 3 GiB charge, fresh figures say 2 GiB
+    guard.observe(
+        probe.read()
+    )  # no page-cache figure read yet: the whole 3 GiB charge, fresh figures say 2 GiB
     assert guard.trip is None
     # The kernel reclaimed the cache and the run took its place: the stale figure (1 GiB) would say 2 GiB.
     write(tmp_path, {"sys/fs/cgroup/job.slice/run/memory.stat": "inactive_file 0\n"})
@@ -153,7 +181,9 @@ def test_stop_message_names_planned_measured_usable_and_the_fit():
 
 def test_sampler_walks_page_tables_rarely_and_counts_its_cpu(tmp_path):
     seen = []
-    sampler = MemorySampler(tmp_path / "memory.csv", interval=0.01, walk_interval=3600, listeners=[seen.append])
+    sampler = MemorySampler(
+        tmp_path / "memory.csv", interval=0.01, walk_interval=3600, listeners=[seen.append]
+    )
     with sampler:
         time.sleep(0.5)
     assert sampler.samples >= 10 and len(seen) == sampler.samples
@@ -169,22 +199,33 @@ def test_sampler_walks_page_tables_rarely_and_counts_its_cpu(tmp_path):
 # --- postmortem ------------------------------------------------------------------------------------
 
 
-STATE = {"state": "running", "pid": 12345, "host_oom_kills": 4,
-         "cgroup": {"version": 1, "path": "/docker/" + "ab" * 32, "oom_kills": 0, "limit_bytes": 2 * GIB}}
+STATE = {
+    "state": "running",
+    "pid": 12345,
+    "host_oom_kills": 4,
+    "cgroup": {"version": 1, "path": "/docker/" + "ab" * 32, "oom_kills": 0, "limit_bytes": 2 * GIB},
+}
 
 
 def test_explain_weighs_the_evidence():
-    oom = explain(STATE, measured_bytes=int(1.9 * GIB), planned_bytes=GIB, container_oom_killed=True, exit_code=137)
+    oom = explain(
+        STATE, measured_bytes=int(1.9 * GIB), planned_bytes=GIB, container_oom_killed=True, exit_code=137
+    )
     assert oom.cause == "oom"
-    assert oom.message == ("killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB; "
-                           "cgroup v1 limit 2.00 GiB)")
+    assert oom.message == (
+        "killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB; cgroup v1 limit 2.00 GiB)"
+    )
     assert "OOMKilled" in oom.evidence
     counted = explain(STATE, measured_bytes=GIB, planned_bytes=GIB, cgroup_oom_kills=1)
     assert counted.cause == "oom" and "memory.oom_control oom_kill went from 0 to 1" in counted.evidence
     host = explain(STATE, measured_bytes=GIB, planned_bytes=GIB, host_oom_kills_now=5, exit_code=137)
     assert host.cause == "oom" and "/proc/vmstat" in host.evidence
     signal = explain(STATE, measured_bytes=GIB, planned_bytes=GIB, host_oom_kills_now=4, exit_code=137)
-    assert signal.cause == "killed" and "signal 9" in signal.message and "not by the out-of-memory" in signal.message
+    assert (
+        signal.cause == "killed"
+        and "signal 9" in signal.message
+        and "not by the out-of-memory" in signal.message
+    )
     # A host-wide OOM kill while this run exited 1 on its own is not taken for its end.
     other = explain(STATE, measured_bytes=GIB, planned_bytes=None, host_oom_kills_now=9, exit_code=1)
     assert other.cause == "unknown" and "no plan recorded" in other.message
@@ -220,9 +261,14 @@ def test_process_identity_records_what_postmortem_needs():
 
 
 def job(tmp_path, **training):
-    return config_from_dict({"data": {"input_shape": [32, 32, 16]}, "model": {"depth": 2},
-                             "training": {"batch_size": 4, **training},
-                             "output": {"results_dir": str(tmp_path), "run_name": "r"}})
+    return config_from_dict(
+        {
+            "data": {"input_shape": [32, 32, 16]},
+            "model": {"depth": 2},
+            "training": {"batch_size": 4, **training},
+            "output": {"results_dir": str(tmp_path), "run_name": "r"},
+        }
+    )
 
 
 def test_a_run_the_guard_stopped_resumes_with_a_smaller_batch_only(tmp_path):
@@ -244,13 +290,21 @@ def test_remote_status_weighs_what_its_round_trip_read():
 
     header = ",".join(CSV_COLUMNS)
     last = f"1.0,1.0,{3 * GIB},0,{2 * GIB},{int(1.9 * GIB)},{2 * GIB}"
-    docker = _ending(STATE, {"container": "true 137", "memory_last": f"{header}\n{last}", "plan_peak": str(GIB),
-                             "host_oom": "4"}, exit_code=None)
+    docker = _ending(
+        STATE,
+        {"container": "true 137", "memory_last": f"{header}\n{last}", "plan_peak": str(GIB), "host_oom": "4"},
+        exit_code=None,
+    )
     assert docker.cause == "oom" and "OOMKilled" in docker.evidence
     assert docker.message.startswith("killed by the out-of-memory killer at about 1.90 GiB (planned 1.00 GiB")
-    process = _ending({**STATE, "cgroup": {**STATE["cgroup"], "limit_bytes": None}},
-                      {"memory_last": f"{header}\n{last}", "cgroup_oom": "1", "host_oom": "5"}, exit_code=137)
-    assert process.cause == "oom" and "at about 3.00 GiB" in process.message  # RSS: no limit, no working set judged
+    process = _ending(
+        {**STATE, "cgroup": {**STATE["cgroup"], "limit_bytes": None}},
+        {"memory_last": f"{header}\n{last}", "cgroup_oom": "1", "host_oom": "5"},
+        exit_code=137,
+    )
+    assert (
+        process.cause == "oom" and "at about 3.00 GiB" in process.message
+    )  # RSS: no limit, no working set judged
     assert "no plan recorded" in process.message
     plain = _ending(STATE, {"container": "false 137", "host_oom": "4", "cgroup_oom": ""}, exit_code=None)
     assert plain.cause == "killed"
@@ -261,8 +315,9 @@ def recorded_planner(recorded_tables):
     """The planner on recorded layer tables and fixed constants (no TensorFlow)."""
     from bigmem_train.memory import constants, layers, sizing
 
-    return lambda config, batch, shape: sizing._peak(config, layers.layer_table(config),
-                                                     constants.load_calibration(), batch, shape)
+    return lambda config, batch, shape: sizing._peak(
+        config, layers.layer_table(config), constants.load_calibration(), batch, shape
+    )
 
 
 def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_planner):

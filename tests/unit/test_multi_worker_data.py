@@ -20,8 +20,10 @@ def centre_sums(config, cases):
 
     return [fingerprint(prepare_case(case, config)[0]) for case in cases]
 
+
 def fingerprint(image) -> float:
     return round(float(np.abs(np.asarray(image)).sum()), 2)
+
 
 def test_validation_is_whole_global_batches_for_several_workers(tmp_path):
     folder = write_dataset(tmp_path / "d", [phantom(shape=(18, 15, 12), seed=seed) for seed in range(5)])
@@ -55,26 +57,30 @@ def test_validation_is_whole_global_batches_for_several_workers(tmp_path):
     assert even.validation_padding == 0
     assert [fingerprint(image) for batch in even.validation for image in batch[0]] == expected[:2]
 
+
 def fake_cases(count: int) -> list:
     from pathlib import Path
 
     from bigmem_train.data import Case
 
-    return [Case(f"C{index:02d}", Path(f"i{index}"), Path(f"l{index}"), (16, 16, 12), 1) for index in range(count)]
+    return [
+        Case(f"C{index:02d}", Path(f"i{index}"), Path(f"l{index}"), (16, 16, 12), 1) for index in range(count)
+    ]
+
 
 @pytest.mark.parametrize(
     "train_count, validation_count, batch, expected",
     [
-        (9, 3, 2, (8, 4)),     # 3 -> 4 (a tie goes up): one training case moves over
-        (10, 5, 4, (11, 4)),   # 5 -> 4 (nearer): one validation case moves back
-        (7, 6, 4, (5, 8)),     # 6 -> 8 (a tie goes up)
-        (2, 3, 2, (1, 4)),     # 3 -> 4 (a tie goes up), leaving the one training case it must
-        (4, 1, 4, (1, 4)),     # less than one batch -> one whole batch, one training case left
-        (2, 1, 4, (2, 1)),     # 3 cases, batch 4: no whole batch possible, unchanged (make_datasets pads)
-        (3, 2, 4, (1, 4)),     # 2 -> 4 (no whole batch below), one training case left
-        (8, 8, 4, (8, 8)),     # already whole batches
-        (3, 2, 1, (3, 2)),     # batch 1: nothing to do
-        (1, 1, 2, (1, 1)),     # fewer cases than batch + 1: unchanged (make_datasets pads)
+        (9, 3, 2, (8, 4)),  # 3 -> 4 (a tie goes up): one training case moves over
+        (10, 5, 4, (11, 4)),  # 5 -> 4 (nearer): one validation case moves back
+        (7, 6, 4, (5, 8)),  # 6 -> 8 (a tie goes up)
+        (2, 3, 2, (1, 4)),  # 3 -> 4 (a tie goes up), leaving the one training case it must
+        (4, 1, 4, (1, 4)),  # less than one batch -> one whole batch, one training case left
+        (2, 1, 4, (2, 1)),  # 3 cases, batch 4: no whole batch possible, unchanged (make_datasets pads)
+        (3, 2, 4, (1, 4)),  # 2 -> 4 (no whole batch below), one training case left
+        (8, 8, 4, (8, 8)),  # already whole batches
+        (3, 2, 1, (3, 2)),  # batch 1: nothing to do
+        (1, 1, 2, (1, 1)),  # fewer cases than batch + 1: unchanged (make_datasets pads)
         (1, 2, 4, (1, 2)),
     ],
 )
@@ -85,7 +91,9 @@ def test_balance_split_makes_whole_global_batches(train_count, validation_count,
     train, validation = cases[:train_count], cases[train_count:]
     new_train, new_validation = balance_split(train, validation, batch)
     assert (len(new_train), len(new_validation)) == expected
-    assert sorted(c.name for c in new_train + new_validation) == [c.name for c in cases], "no case lost or doubled"
+    assert sorted(c.name for c in new_train + new_validation) == [c.name for c in cases], (
+        "no case lost or doubled"
+    )
     assert not {c.name for c in new_train} & {c.name for c in new_validation}
     if expected != (train_count, validation_count):
         assert len(new_validation) % batch == 0 and len(new_train) >= 1

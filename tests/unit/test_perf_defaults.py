@@ -12,9 +12,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def one_node_host(cores: int = 2) -> HostFacts:
-    return HostFacts(hostname="h", memory_total_bytes=2**34, memory_available_bytes=2**34, swap_total_bytes=0,
-                     cgroup_limit_bytes=None, cgroup_version=2, logical_cpus=cores, physical_cores=cores,
-                     usable_cpus=list(range(cores)))
+    return HostFacts(
+        hostname="h",
+        memory_total_bytes=2**34,
+        memory_available_bytes=2**34,
+        swap_total_bytes=0,
+        cgroup_limit_bytes=None,
+        cgroup_version=2,
+        logical_cpus=cores,
+        physical_cores=cores,
+        usable_cpus=list(range(cores)),
+    )
 
 
 def test_runtime_defaults_are_the_measured_winners():
@@ -45,8 +53,16 @@ def test_the_launcher_preloads_the_default_allocator(monkeypatch):
 
 
 def test_rendered_runtime_keeps_onednn_on():
-    text = render("runtime.env.j2", {"hostname": "h", "physical_cores": 2, "numa_node_count": 1,
-                                     "memory_total_bytes": 2**34, "logical_cpus": 2})
+    text = render(
+        "runtime.env.j2",
+        {
+            "hostname": "h",
+            "physical_cores": 2,
+            "numa_node_count": 1,
+            "memory_total_bytes": 2**34,
+            "logical_cpus": 2,
+        },
+    )
     assert "TF_ENABLE_ONEDNN_OPTS=1" in text.splitlines()
 
 

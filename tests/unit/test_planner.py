@@ -19,6 +19,8 @@ from tests.fixtures.common import recorded_layer_table as recorded_table
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 GIB = 1024**3
+
+
 @pytest.fixture
 def tables(recorded_tables):
     """Recorded layer tables (built once from the Keras model) instead of building the model."""
@@ -65,8 +67,9 @@ def test_activations_scale_with_batch_and_voxels(tables):
     shape = {"data.input_shape": [160, 160, 144]}
     one = estimate.estimate(study(**shape, **{"training.batch_size": 1}), CALIBRATION)["activations"]
     two = estimate.estimate(study(**shape, **{"training.batch_size": 2}), CALIBRATION)["activations"]
-    half = estimate.estimate(study(**{"training.batch_size": 1, "data.input_shape": [160, 80, 144]}),
-                            CALIBRATION)["activations"]
+    half = estimate.estimate(
+        study(**{"training.batch_size": 1, "data.input_shape": [160, 80, 144]}), CALIBRATION
+    )["activations"]
     assert two == 2 * one
     assert half * 2 == one
 
@@ -113,7 +116,9 @@ def test_sizing_reaches_the_target_from_below(tables, resize):
 
 
 def test_share_of_host_target_uses_the_cgroup_limit(tables):
-    config = study(**{"footprint.target": "80%", "footprint.resize": "batch", "data.input_shape": [96, 96, 64]})
+    config = study(
+        **{"footprint.target": "80%", "footprint.resize": "batch", "data.input_shape": [96, 96, 64]}
+    )
     plan = plan_job(config, host("one_node_cgroup2"), calibration=CALIBRATION)
     assert plan.target_bytes == int(8 * GIB * 0.8)
     assert plan.peak_bytes <= plan.target_bytes
@@ -121,8 +126,11 @@ def test_share_of_host_target_uses_the_cgroup_limit(tables):
 
 def test_target_below_the_smallest_job_is_refused_as_bad_input(tables):
     """Batch 1 of the study's tile is far above 1 GiB: a run could only fail its footprint check."""
-    with pytest.raises(BadInput, match=r"footprint.target 1073741824 B \(1.00 GiB\) is below the smallest job "
-                                       r"this config can be sized to \(resize: batch\): input 240x240x144, batch 1"):
+    with pytest.raises(
+        BadInput,
+        match=r"footprint.target 1073741824 B \(1.00 GiB\) is below the smallest job "
+        r"this config can be sized to \(resize: batch\): input 240x240x144, batch 1",
+    ):
         plan_job(study(**{"footprint.target": "1GiB", "footprint.resize": "batch"}), None, CALIBRATION)
     # Within the tolerance of the smallest job's plan the target is accepted (and sized to batch 1).
     smallest = plan_job(study(**{"training.batch_size": 1}), None, CALIBRATION).peak_bytes
@@ -134,7 +142,9 @@ def test_target_below_the_smallest_job_is_refused_as_bad_input(tables):
 def test_plan_to_dict_has_bytes_and_gib(tables):
     data = plan_job(study(), host("two_node_cgroup1"), CALIBRATION).to_dict()
     assert data["breakdown"]["activations"]["bytes"] > 0
-    assert data["breakdown"]["activations"]["gib"] == round(data["breakdown"]["activations"]["bytes"] / GIB, 3)
+    assert data["breakdown"]["activations"]["gib"] == round(
+        data["breakdown"]["activations"]["bytes"] / GIB, 3
+    )
     assert data["placement"]["policy"] in {"bind", "interleave", "none"}
     json.dumps(data)
 
@@ -215,8 +225,9 @@ def test_recomputed_blocks_expand_to_the_plain_layers():
     expanded = layers.expand_recomputed_blocks(blocks, batch_norm=True)
     assert sum(r["trainable_params"] for r in expanded) == sum(r["trainable_params"] for r in plain)
     assert len(expanded) == len(plain)
-    assert estimate.workspace_reference_bytes(expanded, 2, (64, 64, 48)) == \
-        estimate.workspace_reference_bytes(plain, 2, (64, 64, 48))
+    assert estimate.workspace_reference_bytes(
+        expanded, 2, (64, 64, 48)
+    ) == estimate.workspace_reference_bytes(plain, 2, (64, 64, 48))
 
 
 def test_breakdown_for_is_pure_arithmetic():
@@ -266,7 +277,8 @@ def test_calibration_fit_recovers_known_constants(tables):
 def test_the_onednn_scratchpad_counts_only_where_onednn_runs_its_gemm_filter_gradient(tables, monkeypatch):
     assert estimate.onednn_uses_gemm_backward_weights(frozenset({"avx2", "fma"}))
     assert not estimate.onednn_uses_gemm_backward_weights(
-        frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_bf16"}))
+        frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_bf16"})
+    )
     monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: True)
     avx2 = estimate.estimate(study(**{"training.batch_size": 1}), CALIBRATION)
     monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: False)
@@ -303,17 +315,35 @@ def test_onednn_scratchpad_is_one_input_sample_and_one_slice_of_patches():
     # long as the copies stay under oneDNN's 1 GiB scratchpad limit (measured with 2 threads: 1024x16x16,
     # 32 channels: +44 MiB at batch 1, +77 MiB at batch 2 and 4; 1024x32x32 at batch 2: one copy).
     one_conv = [
-        {"name": "volume", "kind": "InputLayer", "inputs": [], "divisor": [1, 1, 1], "channels": 32,
-         "dtype": "float32", "kernel_dtype": "float32", "kernel_size": []},
-        {"name": "conv", "kind": "Conv3D", "inputs": ["volume"], "divisor": [1, 1, 1], "channels": 32,
-         "dtype": "float32", "kernel_dtype": "float32", "kernel_size": [3, 3, 3]},
+        {
+            "name": "volume",
+            "kind": "InputLayer",
+            "inputs": [],
+            "divisor": [1, 1, 1],
+            "channels": 32,
+            "dtype": "float32",
+            "kernel_dtype": "float32",
+            "kernel_size": [],
+        },
+        {
+            "name": "conv",
+            "kind": "Conv3D",
+            "inputs": ["volume"],
+            "divisor": [1, 1, 1],
+            "channels": 32,
+            "dtype": "float32",
+            "kernel_dtype": "float32",
+            "kernel_size": [3, 3, 3],
+        },
     ]
     single = (1024 * 16 * 16 * 32 + 27 * 32 * 16 * 16) * 4  # 32.8 MiB
     assert estimate.onednn_scratchpad_bytes(one_conv, 1, (1024, 16, 16), threads=2) == single
     assert estimate.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=2) == 2 * single
     assert estimate.onednn_scratchpad_bytes(one_conv, 4, (1024, 16, 16), threads=2) == 2 * single
-    assert estimate.onednn_scratchpad_bytes(one_conv, 2, (1024, 32, 32), threads=2) == \
-        (1024 * 32 * 32 * 32 + 27 * 32 * 32 * 32) * 4  # 512 rows per thread: one copy
+    assert (
+        estimate.onednn_scratchpad_bytes(one_conv, 2, (1024, 32, 32), threads=2)
+        == (1024 * 32 * 32 * 32 + 27 * 32 * 32 * 32) * 4
+    )  # 512 rows per thread: one copy
     assert estimate.onednn_scratchpad_bytes(one_conv, 2, (1024, 16, 16), threads=64) == single  # > 1 GiB
 
 
@@ -321,7 +351,9 @@ def test_a_negative_slope_is_pinned_to_zero(tables):
 
     truth = Calibration(runtime_baseline_bytes=700 * 1024**2, activation_factor=1.2, workspace_factor=0.0)
     # Noise that alone would pull the workspace slope below zero.
-    samples = synthetic_samples(truth, onednn=False, noise=lambda job: -30 * 1024**2 if job["batch"] == 1 else 0)
+    samples = synthetic_samples(
+        truth, onednn=False, noise=lambda job: -30 * 1024**2 if job["batch"] == 1 else 0
+    )
     fitted = calibrate.fit_constants(samples)
     assert fitted.workspace_factor == 0.0
     assert fitted.activation_factor > 1.0
@@ -344,8 +376,9 @@ def test_backward_walk_keeps_the_kept_tensors_and_adds_live_gradients():
 
 def test_backward_walk_rebuilds_one_block_under_recomputation():
     plain = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
-    blocks = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32_recompute"),
-                                              batch_norm=True)
+    blocks = layers.expand_recomputed_blocks(
+        recorded_table("unet_depth4_filters16_float32_recompute"), batch_norm=True
+    )
     kept_plain, live_plain = estimate.backward_live_bytes(plain, 1, (32, 32, 32), recompute=False)
     kept_blocks, live_blocks = estimate.backward_live_bytes(blocks, 1, (32, 32, 32), recompute=True)
     assert kept_blocks < 0.7 * kept_plain
@@ -370,12 +403,28 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
     assert constants.load_calibration().source in {str(constants.PACKAGED_CALIBRATION), Calibration().source}
     user.mkdir()
-    (user / "calibration.json").write_text(json.dumps({"model": constants.MODEL_VERSION, "runtime_baseline_bytes": 1,
-                                                       "activation_factor": 1.2, "workspace_factor": 2.0}))
+    (user / "calibration.json").write_text(
+        json.dumps(
+            {
+                "model": constants.MODEL_VERSION,
+                "runtime_baseline_bytes": 1,
+                "activation_factor": 1.2,
+                "workspace_factor": 2.0,
+            }
+        )
+    )
     assert constants.load_calibration().workspace_factor == 2.0
     override = tmp_path / "mine.json"
-    override.write_text(json.dumps({"model": constants.MODEL_VERSION, "runtime_baseline_bytes": 5, "activation_factor": 1.2,
-                                    "workspace_factor": 3.0}))
+    override.write_text(
+        json.dumps(
+            {
+                "model": constants.MODEL_VERSION,
+                "runtime_baseline_bytes": 5,
+                "activation_factor": 1.2,
+                "workspace_factor": 3.0,
+            }
+        )
+    )
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
     assert constants.load_calibration().runtime_baseline_bytes == 5
     assert constants.load_calibration().skipped == []
@@ -394,14 +443,27 @@ def test_a_calibration_file_of_the_earlier_model_is_passed_over_and_named(tmp_pa
     warning = calibration.warning(study())
     assert str(old) in warning and "--calibrate" in warning
     # Model 2 (an activation factor that also absorbed oneDNN's scratchpad, no "model" key): passed over.
-    old.write_text(json.dumps({"runtime_baseline_bytes": 1, "activation_factor": 1.36, "workspace_factor": 1.0}))
+    old.write_text(
+        json.dumps({"runtime_baseline_bytes": 1, "activation_factor": 1.36, "workspace_factor": 1.0})
+    )
     assert constants.load_calibration().skipped == [str(old)]
     # Model 3 (fitted on a bare model.fit, not whole runs): passed over.
-    old.write_text(json.dumps({"model": 3, "runtime_baseline_bytes": 1, "activation_factor": 1.27,
-                               "workspace_factor": 1.0}))
+    old.write_text(
+        json.dumps(
+            {"model": 3, "runtime_baseline_bytes": 1, "activation_factor": 1.27, "workspace_factor": 1.0}
+        )
+    )
     assert constants.load_calibration().skipped == [str(old)]
-    old.write_text(json.dumps({"model": constants.MODEL_VERSION, "runtime_baseline_bytes": 1,
-                               "activation_factor": 1.27, "workspace_factor": 1.0}))
+    old.write_text(
+        json.dumps(
+            {
+                "model": constants.MODEL_VERSION,
+                "runtime_baseline_bytes": 1,
+                "activation_factor": 1.27,
+                "workspace_factor": 1.0,
+            }
+        )
+    )
     assert constants.load_calibration().source == str(old)
 
 
@@ -410,14 +472,17 @@ def test_levers_come_cheapest_first_and_each_really_fits(tables):
 
     config = study(**{"training.batch_size": 4, "footprint.levers": "off"})
     full = sum(estimate.estimate(config, CALIBRATION).values())
-    recomputed = sum(estimate.estimate(study(**{"training.batch_size": 4, "model.recompute": True}),
-                                       CALIBRATION).values())
+    recomputed = sum(
+        estimate.estimate(study(**{"training.batch_size": 4, "model.recompute": True}), CALIBRATION).values()
+    )
     limit = (full + recomputed) // 2  # recomputation fits, the job as configured does not
     found = levers_to_fit(config, limit, layers.layer_table, CALIBRATION, cpu_flags=["avx2"])
     assert [lever.change for lever in found][:1] == ["model.recompute: true"]
     assert found[0].peak_bytes == recomputed and found[0].step_time_factor == RECOMPUTE_STEP_FACTOR
     assert [lever.keeps_job for lever in found] == [True, False, False]
-    assert found[1].change.startswith("training.batch_size: ") and found[2].change.startswith("data.input_shape: ")
+    assert found[1].change.startswith("training.batch_size: ") and found[2].change.startswith(
+        "data.input_shape: "
+    )
     for lever in found:
         assert lever.peak_bytes <= limit
         assert lever.peak_bytes == sum(estimate.estimate(lever.config, CALIBRATION).values())

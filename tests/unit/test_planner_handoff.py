@@ -7,9 +7,21 @@ from bigmem_train.memory.plan import JobPlan
 
 
 def a_plan(config, peak=123) -> JobPlan:
-    placement = Placement("interleave", [0, 1], [0, 1, 2, 3], "larger than any one node", all_memory_nodes=True)
-    return JobPlan(config, peak, {"weights": 100, "activations": peak - 100}, 2 * 2**30, placement, 4,
-                   (240, 240, 144), "test constants", None, 1)
+    placement = Placement(
+        "interleave", [0, 1], [0, 1, 2, 3], "larger than any one node", all_memory_nodes=True
+    )
+    return JobPlan(
+        config,
+        peak,
+        {"weights": 100, "activations": peak - 100},
+        2 * 2**30,
+        placement,
+        4,
+        (240, 240, 144),
+        "test constants",
+        None,
+        1,
+    )
 
 
 def test_a_relaunched_process_takes_the_plan_made_for_its_config(monkeypatch):
@@ -41,10 +53,15 @@ def test_a_handed_down_value_that_is_not_a_plan_is_ignored_with_a_note(monkeypat
     requested = load_config(None, {"footprint.target": "2GiB"})
     monkeypatch.setenv(launch.LAUNCHED_ENV, "1")
     digest = launch._config_digest(requested)
-    for value in ["not json", "[1, 2]", '"a string"', '{"config": {}}',
-                  f'{{"for": "{digest}", "config": {{"training": {{"batch_size": -1}}}}, "plan": {{}}}}',
-                  f'{{"for": "{digest}", "config": {{}}, "plan": {{"peak_bytes": 1}}}}',
-                  launch.handed_down_plan(requested, a_plan(requested))[:-1]]:
+    for value in [
+        "not json",
+        "[1, 2]",
+        '"a string"',
+        '{"config": {}}',
+        f'{{"for": "{digest}", "config": {{"training": {{"batch_size": -1}}}}, "plan": {{}}}}',
+        f'{{"for": "{digest}", "config": {{}}, "plan": {{"peak_bytes": 1}}}}',
+        launch.handed_down_plan(requested, a_plan(requested))[:-1],
+    ]:
         monkeypatch.setenv(launch.PLAN_ENV, value)
         assert launch.inherited_plan(requested) is None, value
         assert "not for this job; planning it again" in capsys.readouterr().out, value

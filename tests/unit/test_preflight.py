@@ -63,7 +63,9 @@ def test_a_refusal_lists_recomputation_first_when_it_makes_the_job_fit():
     assert levers.startswith("(1) model.recompute: true: predicted peak ")
     assert "1.56x the step time" in levers and f"training.batch_size: {batch - 1}" in levers
     # The recorded hosts have AMX: bfloat16 is offered, its step time not measured on such a CPU here.
-    assert "runtime.precision: mixed_bfloat16: predicted peak" in levers and "step time not measured" in levers
+    assert (
+        "runtime.precision: mixed_bfloat16: predicted peak" in levers and "step time not measured" in levers
+    )
     # footprint.levers: auto (the study preset's) applies the first: same batch and tile, recomputation on.
     auto = plan_job(load_config("study", {"training.batch_size": batch}), small, CALIBRATION)
     assert auto.lever == "model.recompute: true" and auto.config.model.recompute
@@ -79,16 +81,23 @@ def test_a_job_that_fits_passes():
 
 def test_largest_batch_suggested_really_fits():
     small = host("two_node_cgroup1")
-    config = load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": 64,
-                                   "footprint.levers": "off"})
+    config = load_config(
+        "study", {"data.input_shape": [160, 160, 128], "training.batch_size": 64, "footprint.levers": "off"}
+    )
     plan = plan_job(config, small, CALIBRATION)
     with pytest.raises(DoesNotFit):
         preflight.check_fits(plan, small)
     usable = preflight.usable_bytes(plan, small)
     batch, shape = preflight.largest_fitting(plan, usable)
     assert batch >= 1
-    fitting = plan_job(load_config("study", {"data.input_shape": [160, 160, 128], "training.batch_size": batch,
-                                             "footprint.levers": "off"}), small, CALIBRATION)
+    fitting = plan_job(
+        load_config(
+            "study",
+            {"data.input_shape": [160, 160, 128], "training.batch_size": batch, "footprint.levers": "off"},
+        ),
+        small,
+        CALIBRATION,
+    )
     preflight.check_fits(fitting, small)
 
 
@@ -105,7 +114,9 @@ def test_bound_plan_is_checked_against_its_node():
     plan = plan_job(load_config("study", {"training.batch_size": 4}), two, CALIBRATION)
     assert plan.placement.policy == "bind"
     node = {n.node_id: n for n in two.numa_nodes}[plan.placement.nodes[0]]
-    assert preflight.usable_bytes(plan, two) == int(min(node.memory_available_bytes, two.effective_memory_bytes) * 0.9)
+    assert preflight.usable_bytes(plan, two) == int(
+        min(node.memory_available_bytes, two.effective_memory_bytes) * 0.9
+    )
 
 
 def test_preflight_command_prints_host_facts_and_exits_3(monkeypatch, capsys):
@@ -113,8 +124,16 @@ def test_preflight_command_prints_host_facts_and_exits_3(monkeypatch, capsys):
     code = cli.main(["preflight", "--config", "study"])
     captured = capsys.readouterr()
     assert code == 3
-    for fact in ("memory total", "memory available", "cgroup limit", "swap", "transparent hugepages",
-                 "static hugepages", "NUMA nodes", "node 0"):
+    for fact in (
+        "memory total",
+        "memory available",
+        "cgroup limit",
+        "swap",
+        "transparent hugepages",
+        "static hugepages",
+        "NUMA nodes",
+        "node 0",
+    ):
         assert fact in captured.out
     assert "predicted peak" in captured.err
 

@@ -14,12 +14,14 @@ from bigmem_train.remote import (
 
 def test_docker_run_is_hardened_and_mounts_the_job():
     command = docker_run_command("job-1", "bigmem-train:1.0", "jobs/job-1", "job-1", "/srv/Task01", {})
-    assert command.startswith("docker run -d --name job-1 --user \"$(id -u):$(id -g)\" ")
+    assert command.startswith('docker run -d --name job-1 --user "$(id -u):$(id -g)" ')
     assert " ".join(HARDENED_DOCKER_FLAGS) in command
     assert '-v "$PWD/results":/results' in command and '-v "$PWD/config.yaml":/config/job.yaml:ro' in command
     assert "-v /srv/Task01:/data:ro" in command and command.endswith("--run-name job-1 --data /data")
     assert "--network none" in command and "--cap-add" not in command
-    assert "--cap-add SYS_NICE" in docker_run_command("job", "image", "jobs/job", "job", None, {}, numa_nodes=2)
+    assert "--cap-add SYS_NICE" in docker_run_command(
+        "job", "image", "jobs/job", "job", None, {}, numa_nodes=2
+    )
 
 
 def test_multi_worker_container_uses_host_network_and_tf_config():
@@ -44,8 +46,10 @@ def test_inventory_connection_settings(tmp_path):
     (tmp_path / "group_vars").mkdir()
     (tmp_path / "group_vars" / "lab.yml").write_text("ansible_port: 2200\nbigmem_train_remote_dir: ~/jobs\n")
     inventory = tmp_path / "inventory.ini"
-    inventory.write_text("[lab]\nnode[1:2] ansible_user=ops ansible_ssh_private_key_file=keys/id\n"
-                         "other ansible_host=192.0.2.5 ansible_port=22\n")
+    inventory.write_text(
+        "[lab]\nnode[1:2] ansible_user=ops ansible_ssh_private_key_file=keys/id\n"
+        "other ansible_host=192.0.2.5 ansible_port=22\n"
+    )
     parsed = load_inventory(inventory)
     node = parsed.host("node1")
     assert (node.address, node.port, node.user) == ("node1", 2200, "ops")

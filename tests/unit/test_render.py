@@ -21,11 +21,27 @@ ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
 
 
 def two_node_host() -> HostFacts:
-    nodes = [NumaNode(node_id=i, memory_total_bytes=768 * 2**30, memory_free_bytes=700 * 2**30,
-                      cpus=list(range(i * 48, i * 48 + 48))) for i in range(2)]
-    return HostFacts(hostname="bigmem-01", memory_total_bytes=1536 * 2**30, memory_available_bytes=1400 * 2**30,
-                     swap_total_bytes=0, cgroup_limit_bytes=None, cgroup_version=2, logical_cpus=96,
-                     physical_cores=48, usable_cpus=list(range(96)), numa_nodes=nodes)
+    nodes = [
+        NumaNode(
+            node_id=i,
+            memory_total_bytes=768 * 2**30,
+            memory_free_bytes=700 * 2**30,
+            cpus=list(range(i * 48, i * 48 + 48)),
+        )
+        for i in range(2)
+    ]
+    return HostFacts(
+        hostname="bigmem-01",
+        memory_total_bytes=1536 * 2**30,
+        memory_available_bytes=1400 * 2**30,
+        swap_total_bytes=0,
+        cgroup_limit_bytes=None,
+        cgroup_version=2,
+        logical_cpus=96,
+        physical_cores=48,
+        usable_cpus=list(range(96)),
+        numa_nodes=nodes,
+    )
 
 
 def test_the_template_set_is_found_and_listed():
@@ -41,7 +57,14 @@ def test_the_package_carries_the_templates():
 
 def test_rendered_train_config_is_a_valid_config_sized_to_the_host(tmp_path):
     variables = host_variables(two_node_host()) | parse_variables(
-        ["dataset_path=/data", "results_dir=/results", "target_footprint=80%", "allocator=jemalloc", "epochs=3"])
+        [
+            "dataset_path=/data",
+            "results_dir=/results",
+            "target_footprint=80%",
+            "allocator=jemalloc",
+            "epochs=3",
+        ]
+    )
     out = tmp_path / "train.yaml"
     out.write_text(render("train.yaml.j2", variables))
     config = load_config(out)
@@ -72,14 +95,24 @@ def test_default_render_is_the_small_synthetic_job(tmp_path):
 def test_rendered_multi_worker_job_says_so(tmp_path):
     # The train role reads training.strategy from this text to start one container per host.
     out = tmp_path / "train.yaml"
-    out.write_text(render("train.yaml.j2", {"physical_cores": 2, "numa_node_count": 1, "strategy": "multi_worker",
-                                            "batch_size": 4}))
+    out.write_text(
+        render(
+            "train.yaml.j2",
+            {"physical_cores": 2, "numa_node_count": 1, "strategy": "multi_worker", "batch_size": 4},
+        )
+    )
     config = load_config(out)
     assert config.training.strategy == "multi_worker" and config.training.batch_size == 4
 
 
-@pytest.mark.parametrize("allocator, line", [("jemalloc", "MALLOC_CONF="), ("tcmalloc", "TCMALLOC_"),
-                                             ("glibc", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1")])
+@pytest.mark.parametrize(
+    "allocator, line",
+    [
+        ("jemalloc", "MALLOC_CONF="),
+        ("tcmalloc", "TCMALLOC_"),
+        ("glibc", "GLIBC_TUNABLES=glibc.malloc.hugetlb=1"),
+    ],
+)
 def test_runtime_env_sets_threads_allocator_and_onednn(allocator, line):
     text = render("runtime.env.j2", host_variables(two_node_host()) | {"allocator": allocator})
     env = dict(row.split("=", 1) for row in text.splitlines() if row and not row.startswith("#"))
@@ -116,11 +149,17 @@ def test_templates_dir_can_be_overridden(tmp_path, monkeypatch):
         templates_dir()
 
 
-@pytest.mark.skipif(not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook not installed (pip install '.[ops]')")
+@pytest.mark.skipif(
+    not ANSIBLE_PLAYBOOK.exists(), reason="ansible-playbook not installed (pip install '.[ops]')"
+)
 def test_ansible_renders_the_same_text(tmp_path):
     """One source of truth: Ansible's template lookup (the train role's) gives the CLI's bytes."""
-    variables = host_variables(two_node_host()) | {"dataset_path": "/data", "results_dir": "/results",
-                                                    "target_footprint": "900GiB", "allocator": "tcmalloc"}
+    variables = host_variables(two_node_host()) | {
+        "dataset_path": "/data",
+        "results_dir": "/results",
+        "target_footprint": "900GiB",
+        "allocator": "tcmalloc",
+    }
     (tmp_path / "vars.json").write_text(json.dumps({"template_variables": variables}))
     playbook = tmp_path / "render.yml"
     playbook.write_text(f"""
@@ -133,8 +172,23 @@ def test_ansible_renders_the_same_text(tmp_path):
         mode: "0644"
       loop: [train.yaml.j2, runtime.env.j2]
 """)
-    result = subprocess.run([str(ANSIBLE_PLAYBOOK), "-c", "local", "-i", "localhost,", "-e", f"@{tmp_path}/vars.json", "-e", f"ansible_python_interpreter={sys.executable}",
-                             str(playbook)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            str(ANSIBLE_PLAYBOOK),
+            "-c",
+            "local",
+            "-i",
+            "localhost,",
+            "-e",
+            f"@{tmp_path}/vars.json",
+            "-e",
+            f"ansible_python_interpreter={sys.executable}",
+            str(playbook),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     for name in ("train.yaml.j2", "runtime.env.j2"):
         assert (tmp_path / f"{name}.out").read_text().strip() == render(name, variables).strip()

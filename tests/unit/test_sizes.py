@@ -6,8 +6,16 @@ from bigmem_train.sizes import format_bytes, parse_size
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("64GiB", 64 * 1024**3), ("1TB", 10**12), ("900 GB", 900 * 10**9), ("1TiB", 1024**4),
-     ("512MiB", 512 * 1024**2), ("1.5GiB", int(1.5 * 1024**3)), ("4096", 4096), (1024, 1024)],
+    [
+        ("64GiB", 64 * 1024**3),
+        ("1TB", 10**12),
+        ("900 GB", 900 * 10**9),
+        ("1TiB", 1024**4),
+        ("512MiB", 512 * 1024**2),
+        ("1.5GiB", int(1.5 * 1024**3)),
+        ("4096", 4096),
+        (1024, 1024),
+    ],
 )
 def test_absolute_sizes(text, expected):
     assert parse_size(text) == expected

@@ -24,12 +24,23 @@ def written(tmp_path_factory):
 def test_layout_and_dataset_json(written):
     index = json.loads((written / "dataset.json").read_text())
     assert index["modality"] == {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"}
-    assert index["labels"] == {"0": "background", "1": "edema", "2": "non-enhancing tumor", "3": "enhancing tumour"}
+    assert index["labels"] == {
+        "0": "background",
+        "1": "edema",
+        "2": "non-enhancing tumor",
+        "3": "enhancing tumour",
+    }
     assert index["numTraining"] == 3 and index["numTest"] == 0 and index["test"] == []
-    assert index["training"][0] == {"image": "./imagesTr/BRATS_001.nii.gz", "label": "./labelsTr/BRATS_001.nii.gz"}
+    assert index["training"][0] == {
+        "image": "./imagesTr/BRATS_001.nii.gz",
+        "label": "./labelsTr/BRATS_001.nii.gz",
+    }
     assert index["synthetic"]["shape"] == list(SHAPE) and index["synthetic"]["seed"] == 5
     assert sorted(path.name for path in (written / "imagesTr").iterdir()) == [
-        "BRATS_001.nii.gz", "BRATS_002.nii.gz", "BRATS_003.nii.gz"]
+        "BRATS_001.nii.gz",
+        "BRATS_002.nii.gz",
+        "BRATS_003.nii.gz",
+    ]
     assert sorted(path.name for path in written.iterdir()) == ["dataset.json", "imagesTr", "labelsTr"]
 
 
@@ -98,7 +109,9 @@ def test_interrupted_run_resumes(tmp_path):
     kept = (out / "imagesTr" / "BRATS_001.nii.gz").stat().st_mtime_ns
     write_synthetic_dataset(out, cases=3, shape=SHAPE, seed=1)
     assert (out / "imagesTr" / "BRATS_001.nii.gz").stat().st_mtime_ns == kept
-    np.testing.assert_array_equal(np.asarray(nib.load(out / "imagesTr" / "BRATS_003.nii.gz").dataobj), reference)
+    np.testing.assert_array_equal(
+        np.asarray(nib.load(out / "imagesTr" / "BRATS_003.nii.gz").dataobj), reference
+    )
     assert (out / "dataset.json").is_file() and not (out / IN_PROGRESS_MARKER).exists()
 
 

@@ -13,7 +13,9 @@ from bigmem_train.validate import evaluate, validate_run
 HEADER = "epoch,dice,hard_dice,loss,val_dice,val_hard_dice,val_loss\n"
 
 
-def make_run(tmp_path, rows, state="finished", epochs=None, target=None, peak=None, dice_floor=0.5, planned=None):
+def make_run(
+    tmp_path, rows, state="finished", epochs=None, target=None, peak=None, dice_floor=0.5, planned=None
+):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     overrides = {"training.epochs": epochs or len(rows), "validation.dice_floor": dice_floor}
@@ -25,7 +27,9 @@ def make_run(tmp_path, rows, state="finished", epochs=None, target=None, peak=No
     (run_dir / "history.csv").write_text("".join(lines))
     metrics = {"peak_rss_bytes": peak or 1000, "target_bytes": target, "planned_peak_bytes": planned}
     (run_dir / "metrics.json").write_text(json.dumps(metrics))
-    (run_dir / "memory.csv").write_text(f"time_unix,elapsed_s,rss_bytes,anon_hugepages_bytes\n1.0,0.0,{peak or 1000},0\n")
+    (run_dir / "memory.csv").write_text(
+        f"time_unix,elapsed_s,rss_bytes,anon_hugepages_bytes\n1.0,0.0,{peak or 1000},0\n"
+    )
     return run_dir
 
 
@@ -64,17 +68,26 @@ def test_unfinished_run_fails_and_gets_no_verdict_file(tmp_path):
     assert not (run_dir / "verdict.json").exists()
 
 
-@pytest.mark.parametrize("peak, passes", [(10 * 2**30, True), (int(10.9 * 2**30), True), (12 * 2**30, False), (8 * 2**30, False)])
+@pytest.mark.parametrize(
+    "peak, passes", [(10 * 2**30, True), (int(10.9 * 2**30), True), (12 * 2**30, False), (8 * 2**30, False)]
+)
 def test_footprint_within_tolerance_of_target(tmp_path, peak, passes):
     run_dir = make_run(tmp_path, GOOD, target=10 * 2**30, peak=peak)
     assert ("footprint" not in failed_names(run_dir)) is passes
 
 
-@pytest.mark.parametrize("peak, planned, passes", [
-    (10 * 2**30, 10 * 2**30, True), (10 * 2**30, int(9.2 * 2**30), True),
-    (10 * 2**30, int(8.9 * 2**30), False), (10 * 2**30, int(11.5 * 2**30), False),
-    # A small job: within 0.25 GiB of its plan passes whatever the share (the runtime's own spread).
-    (int(0.80 * 2**30), int(0.89 * 2**30), True), (int(0.80 * 2**30), int(1.10 * 2**30), False)])
+@pytest.mark.parametrize(
+    "peak, planned, passes",
+    [
+        (10 * 2**30, 10 * 2**30, True),
+        (10 * 2**30, int(9.2 * 2**30), True),
+        (10 * 2**30, int(8.9 * 2**30), False),
+        (10 * 2**30, int(11.5 * 2**30), False),
+        # A small job: within 0.25 GiB of its plan passes whatever the share (the runtime's own spread).
+        (int(0.80 * 2**30), int(0.89 * 2**30), True),
+        (int(0.80 * 2**30), int(1.10 * 2**30), False),
+    ],
+)
 def test_every_run_checks_the_plan_against_its_measured_peak(tmp_path, peak, planned, passes):
     run_dir = make_run(tmp_path, GOOD, peak=peak, planned=planned)  # no target set
     criterion = next(c for c in evaluate(run_dir).criteria if c.name == "plan")
@@ -86,8 +99,13 @@ def test_every_run_checks_the_plan_against_its_measured_peak(tmp_path, peak, pla
 
 def test_report_shows_the_planned_breakdown_next_to_the_measured_peak(tmp_path):
     run_dir = make_run(tmp_path, GOOD, peak=3 * 2**30, planned=int(2.85 * 2**30))
-    plan = {"peak_bytes": int(2.85 * 2**30), "breakdown": {
-        "activations": {"bytes": int(1.5 * 2**30), "gib": 1.5}, "runtime_baseline": {"bytes": 760 * 2**20, "gib": 0.742}}}
+    plan = {
+        "peak_bytes": int(2.85 * 2**30),
+        "breakdown": {
+            "activations": {"bytes": int(1.5 * 2**30), "gib": 1.5},
+            "runtime_baseline": {"bytes": 760 * 2**20, "gib": 0.742},
+        },
+    }
     (run_dir / "plan.json").write_text(json.dumps(plan))
     text = write_report(run_dir).read_text()
     assert "<td>activations</td><td>1.50 GiB</td>" in text

@@ -24,20 +24,36 @@ PROG = "bigmem-train"
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, target: bool = True) -> None:
-    parser.add_argument("--config", "-c", metavar="FILE",
-                        help="YAML job config (or a preset name: default, study); default: the built-in small job")
-    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                        help="override one config value, e.g. --set training.epochs=3 (repeatable)")
+    parser.add_argument(
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="YAML job config (or a preset name: default, study); default: the built-in small job",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        metavar="KEY=VALUE",
+        action="append",
+        default=[],
+        help="override one config value, e.g. --set training.epochs=3 (repeatable)",
+    )
     if target:
-        parser.add_argument("--target", metavar="SIZE",
-                            help="size the job to this peak memory: 64GiB, 1TB, 900GB or 80%% of the host")
+        parser.add_argument(
+            "--target",
+            metavar="SIZE",
+            help="size the job to this peak memory: 64GiB, 1TB, 900GB or 80%% of the host",
+        )
 
 
 def _add_run_flags(parser: argparse.ArgumentParser) -> None:
     _add_config_flags(parser)
     parser.add_argument("--results", metavar="DIR", help="results folder (default: output.results_dir)")
-    parser.add_argument("--run-name", metavar="NAME",
-                        help="run directory name; rerunning an unfinished run of this name resumes it")
+    parser.add_argument(
+        "--run-name",
+        metavar="NAME",
+        help="run directory name; rerunning an unfinished run of this name resumes it",
+    )
     parser.add_argument("--data", metavar="DIR", help="Decathlon dataset folder (sets data.source=decathlon)")
 
 
@@ -52,52 +68,87 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    run = sub.add_parser("run", help="plan, preflight, train, validate and report (the default)",
-                         description="Plan, preflight, train, validate and report one job. With no config: "
-                         "synthesize a small dataset in the results folder and train the built-in default job.")
+    run = sub.add_parser(
+        "run",
+        help="plan, preflight, train, validate and report (the default)",
+        description="Plan, preflight, train, validate and report one job. With no config: "
+        "synthesize a small dataset in the results folder and train the built-in default job.",
+    )
     _add_run_flags(run)
 
-    train = sub.add_parser("train", help="plan, preflight and train, without validation or report",
-                           description="Plan, preflight and train one job; writes the run directory and metrics.json.")
+    train = sub.add_parser(
+        "train",
+        help="plan, preflight and train, without validation or report",
+        description="Plan, preflight and train one job; writes the run directory and metrics.json.",
+    )
     _add_run_flags(train)
 
-    validate = sub.add_parser("validate", help="re-check a finished run from its files; exit 0 PASS, 1 FAIL",
-                              description="Re-check a finished run directory from its files alone: loss fell, "
-                              "validation Dice reached the floor, no NaN, peak memory within tolerance of the target.")
+    validate = sub.add_parser(
+        "validate",
+        help="re-check a finished run from its files; exit 0 PASS, 1 FAIL",
+        description="Re-check a finished run directory from its files alone: loss fell, "
+        "validation Dice reached the floor, no NaN, peak memory within tolerance of the target.",
+    )
     validate.add_argument("run_dir", metavar="RUN_DIR")
 
-    report = sub.add_parser("report", help="write an HTML report with plots for a run",
-                            description="Write RUN_DIR/report.html with PNG plots: memory over time, loss and Dice per epoch.")
+    report = sub.add_parser(
+        "report",
+        help="write an HTML report with plots for a run",
+        description="Write RUN_DIR/report.html with PNG plots: memory over time, loss and Dice per epoch.",
+    )
     report.add_argument("run_dir", metavar="RUN_DIR")
 
-    synth = sub.add_parser("synth", help="write a synthetic dataset in the Decathlon layout",
-                           description="Write a synthetic MSD Task01-like dataset: dataset.json, imagesTr/*.nii.gz "
-                           "(4 contrasts) and labelsTr/*.nii.gz, head-like ellipsoids with tumour blobs.")
+    synth = sub.add_parser(
+        "synth",
+        help="write a synthetic dataset in the Decathlon layout",
+        description="Write a synthetic MSD Task01-like dataset: dataset.json, imagesTr/*.nii.gz "
+        "(4 contrasts) and labelsTr/*.nii.gz, head-like ellipsoids with tumour blobs.",
+    )
     synth.add_argument("--out", required=True, metavar="DIR", help="dataset folder to create")
     synth.add_argument("--cases", type=int, default=16, metavar="N", help="number of cases (default 16)")
     synth.add_argument("--shape", default="64,64,48", metavar="X,Y,Z", help="volume shape (default 64,64,48)")
     synth.add_argument("--seed", type=int, default=1234, help="random seed (default 1234)")
 
-    plan = sub.add_parser("plan", help="predict the job's peak memory, or size it to a target",
-                          description="Print a breakdown of the predicted peak memory of a job, and with --target "
-                          "the input shape and batch size chosen to reach it.")
+    plan = sub.add_parser(
+        "plan",
+        help="predict the job's peak memory, or size it to a target",
+        description="Print a breakdown of the predicted peak memory of a job, and with --target "
+        "the input shape and batch size chosen to reach it.",
+    )
     _add_config_flags(plan)
     plan.add_argument("--json", action="store_true", help="print JSON for scripts")
-    plan.add_argument("--calibrate", action="store_true",
-                      help="measure this machine's constants (runtime baseline, workspace) and store them")
+    plan.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure this machine's constants (runtime baseline, workspace) and store them",
+    )
 
-    preflight = sub.add_parser("preflight", help="read the host and check the planned job fits",
-                               description="Read the host (memory, cgroup limit, NUMA, hugepages, swap) and check "
-                               "the planned job fits with the safety margin; exit 3 when it does not.")
+    preflight = sub.add_parser(
+        "preflight",
+        help="read the host and check the planned job fits",
+        description="Read the host (memory, cgroup limit, NUMA, hugepages, swap) and check "
+        "the planned job fits with the safety margin; exit 3 when it does not.",
+    )
     _add_config_flags(preflight)
     preflight.add_argument("--json", action="store_true", help="print JSON for scripts")
 
-    render = sub.add_parser("render", help="render a config template from templates/ with this host's facts",
-                            description="Render one of the shared Jinja templates (the same ones Ansible uses) "
-                            "with this host's facts and optional variables.")
-    render.add_argument("template", nargs="?", default="train.yaml.j2", help="template name (default train.yaml.j2)")
-    render.add_argument("--var", dest="variables", action="append", default=[], metavar="KEY=VALUE",
-                        help="template variable (repeatable)")
+    render = sub.add_parser(
+        "render",
+        help="render a config template from templates/ with this host's facts",
+        description="Render one of the shared Jinja templates (the same ones Ansible uses) "
+        "with this host's facts and optional variables.",
+    )
+    render.add_argument(
+        "template", nargs="?", default="train.yaml.j2", help="template name (default train.yaml.j2)"
+    )
+    render.add_argument(
+        "--var",
+        dest="variables",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="template variable (repeatable)",
+    )
     render.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     render.add_argument("--list", action="store_true", help="list the templates")
 
@@ -170,4 +221,3 @@ def dispatch(args: argparse.Namespace) -> int:
     if command == "remote":
         return remote_cli.dispatch(args)
     raise BadInput(f"unknown command {command!r}")
-

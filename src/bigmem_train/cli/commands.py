@@ -44,16 +44,35 @@ def plan_command(config: Config, as_json: bool, calibrate_first: bool) -> int:
     if plan.peak_bytes > usable:
         levers = levers_to_fit(plan.config, usable, layers.layer_table, load_calibration(), host.cpu_flags)
     if as_json:
-        print(json.dumps({**plan.to_dict(), "usable_bytes": usable, "fits_this_host": plan.peak_bytes <= usable,
-                          "levers": [{"change": lever.change, "peak_bytes": lever.peak_bytes,
-                                      "step_time_factor": lever.step_time_factor, "why": lever.why}
-                                     for lever in levers]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    **plan.to_dict(),
+                    "usable_bytes": usable,
+                    "fits_this_host": plan.peak_bytes <= usable,
+                    "levers": [
+                        {
+                            "change": lever.change,
+                            "peak_bytes": lever.peak_bytes,
+                            "step_time_factor": lever.step_time_factor,
+                            "why": lever.why,
+                        }
+                        for lever in levers
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(format_plan(plan))
     if plan.peak_bytes > usable:
-        print(f"this host: {format_bytes(usable)} usable: the job does not fit here; what would make it fit, "
-              "cheapest first:" if levers else f"this host: {format_bytes(usable)} usable: the job does not fit "
-              "here, and no lever makes it fit")
+        print(
+            f"this host: {format_bytes(usable)} usable: the job does not fit here; what would make it fit, "
+            "cheapest first:"
+            if levers
+            else f"this host: {format_bytes(usable)} usable: the job does not fit "
+            "here, and no lever makes it fit"
+        )
         for number, lever in enumerate(levers, 1):
             print(f"  ({number}) {lever.describe()}")
     else:
@@ -68,13 +87,24 @@ def preflight_command(config: Config, as_json: bool) -> int:
     usable = usable_bytes(plan, host)
     fits = plan.peak_bytes <= usable
     if as_json:
-        print(json.dumps({"host": host_summary(host), "plan": plan.to_dict(),
-                          "usable": {"bytes": usable, "gib": gib(usable)}, "fits": fits}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "host": host_summary(host),
+                    "plan": plan.to_dict(),
+                    "usable": {"bytes": usable, "gib": gib(usable)},
+                    "fits": fits,
+                },
+                indent=2,
+            )
+        )
     else:
         print(format_host(host))
-        print(f"plan: peak {format_bytes(plan.peak_bytes)}, usable {format_bytes(usable)} "
-              f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the "
-              f"{config.footprint.safety_margin:.0%} safety margin); placement {plan.placement.policy}")
+        print(
+            f"plan: peak {format_bytes(plan.peak_bytes)}, usable {format_bytes(usable)} "
+            f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the "
+            f"{config.footprint.safety_margin:.0%} safety margin); placement {plan.placement.policy}"
+        )
     check_fits(plan, host)
     if not as_json:
         print("fits: yes")

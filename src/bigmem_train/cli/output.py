@@ -18,23 +18,31 @@ def format_plan(plan: JobPlan) -> str:
         f"{config.runtime.precision}{', recompute' if config.model.recompute else ''}",
     ]
     if plan.target_bytes is not None:
-        lines.append(f"target: {format_bytes(plan.target_bytes)} (resize: {config.footprint.resize}; was input "
-                     f"{'x'.join(map(str, plan.original_input_shape))}, batch {plan.original_batch_size})")
+        lines.append(
+            f"target: {format_bytes(plan.target_bytes)} (resize: {config.footprint.resize}; was input "
+            f"{'x'.join(map(str, plan.original_input_shape))}, batch {plan.original_batch_size})"
+        )
     if plan.lever:
-        lines.append(f"lever: {plan.lever} (footprint.levers: auto; the job as configured missed "
-                     f"{'the target' if plan.target_bytes is not None else 'this host'})")
+        lines.append(
+            f"lever: {plan.lever} (footprint.levers: auto; the job as configured missed "
+            f"{'the target' if plan.target_bytes is not None else 'this host'})"
+        )
     if plan.workers > 1:
-        lines.append(f"multi-worker: {plan.workers} hosts, each one replica with batch "
-                     f"{config.training.batch_size // plan.workers}; the figures below are per host")
+        lines.append(
+            f"multi-worker: {plan.workers} hosts, each one replica with batch "
+            f"{config.training.batch_size // plan.workers}; the figures below are per host"
+        )
     lines.append("predicted peak memory:")
     width = max(len(key) for key in plan.breakdown)
     for key, value in plan.breakdown.items():
         lines.append(f"  {key:<{width}}  {format_bytes(value)}")
     lines.append(f"  {'total':<{width}}  {format_bytes(plan.peak_bytes)}")
     voxels = config.training.batch_size // plan.workers * config.voxels_per_sample
-    lines.append(f"per input voxel: {plan.breakdown['activations'] / voxels:.0f} B for the activations kept for "
-                 "backward, "
-                 f"{plan.peak_bytes / voxels:.0f} B in all")
+    lines.append(
+        f"per input voxel: {plan.breakdown['activations'] / voxels:.0f} B for the activations kept for "
+        "backward, "
+        f"{plan.peak_bytes / voxels:.0f} B in all"
+    )
     lines.append(f"placement: {plan.placement.policy} ({plan.placement.reason})")
     if plan.placement.numactl_args():
         lines.append(f"  {' '.join(plan.placement.numactl_args())}")
@@ -46,6 +54,7 @@ def format_plan(plan: JobPlan) -> str:
 
 def host_summary(host: HostFacts) -> dict[str, Any]:
     """The facts preflight reports, in bytes and GiB."""
+
     def both(value: int | None) -> dict[str, Any] | None:
         return None if value is None else {"bytes": value, "gib": gib(value)}
 
@@ -66,9 +75,13 @@ def host_summary(host: HostFacts) -> dict[str, Any]:
         "logical_cpus": host.logical_cpus,
         "physical_cores": host.physical_cores,
         "numa_nodes": [
-            {"node": node.node_id, "cpus": len(node.cpus), "memory_total": both(node.memory_total_bytes),
-             "memory_available": both(node.memory_available_bytes),
-             "static_hugepages": both(node.static_hugepages_bytes)}
+            {
+                "node": node.node_id,
+                "cpus": len(node.cpus),
+                "memory_total": both(node.memory_total_bytes),
+                "memory_available": both(node.memory_available_bytes),
+                "static_hugepages": both(node.static_hugepages_bytes),
+            }
             for node in host.numa_nodes
         ],
     }
@@ -79,9 +92,14 @@ def format_host(host: HostFacts) -> str:
         f"host: {host.hostname}, {host.logical_cpus} logical CPUs, {host.physical_cores} physical cores",
         f"  memory total      {format_bytes(host.memory_total_bytes)}",
         f"  memory available  {format_bytes(host.memory_available_bytes)}",
-        "  cgroup limit      " + (f"{format_bytes(host.cgroup_limit_bytes)} (v{host.cgroup_version})"
-                                  if host.cgroup_limit_bytes else
-                                  f"none (cgroup v{host.cgroup_version})" if host.cgroup_version else "none"),
+        "  cgroup limit      "
+        + (
+            f"{format_bytes(host.cgroup_limit_bytes)} (v{host.cgroup_version})"
+            if host.cgroup_limit_bytes
+            else f"none (cgroup v{host.cgroup_version})"
+            if host.cgroup_version
+            else "none"
+        ),
         f"  swap              {format_bytes(host.swap_total_bytes)} total, {format_bytes(host.swap_free_bytes)} free",
         f"  transparent hugepages: enabled [{host.thp_enabled}], defrag [{host.thp_defrag}]",
         f"  static hugepages  {format_bytes(host.static_hugepages_bytes)} (not usable by TensorFlow)",
@@ -89,6 +107,8 @@ def format_host(host: HostFacts) -> str:
     ]
     for node in host.numa_nodes:
         kind = f"{len(node.cpus)} CPUs" if node.cpus else "no CPUs (memory only)"
-        lines.append(f"    node {node.node_id}: {kind}, total {format_bytes(node.memory_total_bytes)}, "
-                     f"available {format_bytes(node.memory_available_bytes)}")
+        lines.append(
+            f"    node {node.node_id}: {kind}, total {format_bytes(node.memory_total_bytes)}, "
+            f"available {format_bytes(node.memory_available_bytes)}"
+        )
     return "\n".join(lines)

@@ -15,76 +15,130 @@ from ..errors import BadInput
 
 DEFAULT_INVENTORY_ENV = "BIGMEM_TRAIN_INVENTORY"
 
-EPILOG = ("Exit codes: 0 done, 2 bad input (unknown host or group, no such job, bad config or name), "
-          "4 the host is unreachable or refuses the login. See docs/remote.md.")
+EPILOG = (
+    "Exit codes: 0 done, 2 bad input (unknown host or group, no such job, bad config or name), "
+    "4 the host is unreachable or refuses the login. See docs/remote.md."
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--inventory", "-i", metavar="FILE",
-                        default=os.environ.get(DEFAULT_INVENTORY_ENV, "inventory.ini"),
-                        help=f"Ansible inventory (default: ${DEFAULT_INVENTORY_ENV} or inventory.ini)")
-    common.add_argument("--connect-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="give up on a host that does not answer within this time (default 10)")
+    common.add_argument(
+        "--inventory",
+        "-i",
+        metavar="FILE",
+        default=os.environ.get(DEFAULT_INVENTORY_ENV, "inventory.ini"),
+        help=f"Ansible inventory (default: ${DEFAULT_INVENTORY_ENV} or inventory.ini)",
+    )
+    common.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="give up on a host that does not answer within this time (default 10)",
+    )
 
-    remote = sub.add_parser("remote", help="start, watch, stop and fetch jobs on lab servers over SSH",
-                            description="Operate jobs on the inventory's servers over SSH (Fabric): start a "
-                            "detached job, read its status from the run's files, follow its log, stop it and "
-                            "fetch its run directory.", epilog=EPILOG)
+    remote = sub.add_parser(
+        "remote",
+        help="start, watch, stop and fetch jobs on lab servers over SSH",
+        description="Operate jobs on the inventory's servers over SSH (Fabric): start a "
+        "detached job, read its status from the run's files, follow its log, stop it and "
+        "fetch its run directory.",
+        epilog=EPILOG,
+    )
     actions = remote.add_subparsers(dest="remote_command", metavar="ACTION")
 
-    start = actions.add_parser("start", parents=[common], epilog=EPILOG,
-                               help="copy a config to a host and start the job detached",
-                               description="Copy the config to the host and start the job detached: a named "
-                               "hardened container (`docker run -d`), or with --no-docker the host's bigmem-train "
-                               "in its own session. TARGET is a host, or for training.strategy multi_worker the "
-                               "inventory group whose hosts are the workers (TF_CONFIG rendered per host). "
-                               "Starting a stopped job's name again resumes it.")
+    start = actions.add_parser(
+        "start",
+        parents=[common],
+        epilog=EPILOG,
+        help="copy a config to a host and start the job detached",
+        description="Copy the config to the host and start the job detached: a named "
+        "hardened container (`docker run -d`), or with --no-docker the host's bigmem-train "
+        "in its own session. TARGET is a host, or for training.strategy multi_worker the "
+        "inventory group whose hosts are the workers (TF_CONFIG rendered per host). "
+        "Starting a stopped job's name again resumes it.",
+    )
     start.add_argument("target", metavar="TARGET", help="inventory host (or group, for multi_worker)")
-    start.add_argument("--config", "-c", required=True, metavar="FILE", help="job config (YAML) or preset name")
+    start.add_argument(
+        "--config", "-c", required=True, metavar="FILE", help="job config (YAML) or preset name"
+    )
     start.add_argument("--name", metavar="NAME", help="job and container name (default bigmem-DATE-TIME)")
     start.add_argument("--image", default="bigmem-train", help="container image (default bigmem-train)")
-    start.add_argument("--no-docker", action="store_true",
-                       help="run the host's bigmem-train (bigmem_train_executable) instead of a container")
-    start.add_argument("--data", metavar="HOST_DIR", help="Decathlon dataset folder on the host (mounted read-only)")
+    start.add_argument(
+        "--no-docker",
+        action="store_true",
+        help="run the host's bigmem-train (bigmem_train_executable) instead of a container",
+    )
+    start.add_argument(
+        "--data", metavar="HOST_DIR", help="Decathlon dataset folder on the host (mounted read-only)"
+    )
 
-    status = actions.add_parser("status", parents=[common], epilog=EPILOG,
-                                help="running or not, epoch and step, live and peak memory",
-                                description="Read the job's own files on the host: state, current epoch and "
-                                "step, the last epoch's loss and Dice, live and peak memory, the verdict.")
+    status = actions.add_parser(
+        "status",
+        parents=[common],
+        epilog=EPILOG,
+        help="running or not, epoch and step, live and peak memory",
+        description="Read the job's own files on the host: state, current epoch and "
+        "step, the last epoch's loss and Dice, live and peak memory, the verdict.",
+    )
     status.add_argument("target", metavar="TARGET", help="inventory host (or group: every worker)")
     status.add_argument("name", metavar="NAME")
     status.add_argument("--json", action="store_true", help="print JSON for scripts")
 
-    logs = actions.add_parser("logs", parents=[common], epilog=EPILOG, help="print (or follow) a job's output",
-                              description="Print the job's output; with --follow keep printing until it ends.")
+    logs = actions.add_parser(
+        "logs",
+        parents=[common],
+        epilog=EPILOG,
+        help="print (or follow) a job's output",
+        description="Print the job's output; with --follow keep printing until it ends.",
+    )
     logs.add_argument("host", metavar="HOST")
     logs.add_argument("name", metavar="NAME")
     logs.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
     logs.add_argument("--lines", "-n", type=int, metavar="N", help="only the last N lines")
 
-    stop = actions.add_parser("stop", parents=[common], epilog=EPILOG, help="stop a job (it stays resumable)",
-                              description="SIGTERM the job (container or process group), SIGKILL after the "
-                              "grace period. Its run directory stays; start the same name again to resume.")
+    stop = actions.add_parser(
+        "stop",
+        parents=[common],
+        epilog=EPILOG,
+        help="stop a job (it stays resumable)",
+        description="SIGTERM the job (container or process group), SIGKILL after the "
+        "grace period. Its run directory stays; start the same name again to resume.",
+    )
     stop.add_argument("target", metavar="TARGET", help="inventory host (or group: every worker)")
     stop.add_argument("name", metavar="NAME")
-    stop.add_argument("--grace", type=int, default=30, metavar="SECONDS", help="wait before SIGKILL (default 30)")
+    stop.add_argument(
+        "--grace", type=int, default=30, metavar="SECONDS", help="wait before SIGKILL (default 30)"
+    )
 
-    fetch = actions.add_parser("fetch", parents=[common], epilog=EPILOG,
-                               help="copy a job's run directory (verdict, report, metrics) here",
-                               description="Copy the job's run directory (without the transient backup/) and "
-                               "its log to DIR/RUN_NAME over SFTP.")
+    fetch = actions.add_parser(
+        "fetch",
+        parents=[common],
+        epilog=EPILOG,
+        help="copy a job's run directory (verdict, report, metrics) here",
+        description="Copy the job's run directory (without the transient backup/) and "
+        "its log to DIR/RUN_NAME over SFTP.",
+    )
     fetch.add_argument("host", metavar="HOST")
     fetch.add_argument("name", metavar="NAME")
     fetch.add_argument("--to", required=True, metavar="DIR", help="local folder to copy into")
-    fetch.add_argument("--no-checkpoints", action="store_true", help="leave the model checkpoints on the host")
+    fetch.add_argument(
+        "--no-checkpoints", action="store_true", help="leave the model checkpoints on the host"
+    )
 
-    tf_config = actions.add_parser("tf-config", parents=[common], epilog=EPILOG,
-                                   help="print TF_CONFIG for one worker host of a group",
-                                   description="Render templates/tf_config.json.j2 for HOST from the inventory, "
-                                   "as Ansible's train role does.")
+    tf_config = actions.add_parser(
+        "tf-config",
+        parents=[common],
+        epilog=EPILOG,
+        help="print TF_CONFIG for one worker host of a group",
+        description="Render templates/tf_config.json.j2 for HOST from the inventory, "
+        "as Ansible's train role does.",
+    )
     tf_config.add_argument("host", metavar="HOST")
-    tf_config.add_argument("--group", metavar="GROUP", help="the workers' group (default: the host's one group)")
+    tf_config.add_argument(
+        "--group", metavar="GROUP", help="the workers' group (default: the host's one group)"
+    )
 
     actions.add_parser("hosts", parents=[common], help="list the inventory's hosts as SSH will reach them")
 
@@ -92,18 +146,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def dispatch(args: argparse.Namespace) -> int:
     action = getattr(args, "remote_command", None)
     if action is None:
-        raise BadInput("remote: give an action: start, status, logs, stop, fetch, tf-config, hosts "
-                       "(see bigmem-train remote --help)")
+        raise BadInput(
+            "remote: give an action: start, status, logs, stop, fetch, tf-config, hosts "
+            "(see bigmem-train remote --help)"
+        )
     inventory = remote.load_inventory(args.inventory)
     timeout = args.connect_timeout
     if action == "start":
         name = args.name or remote.default_job_name()
-        request = remote.StartRequest(config=args.config, name=name, image=args.image,
-                                      docker=not args.no_docker, data_dir=args.data)
+        request = remote.StartRequest(
+            config=args.config, name=name, image=args.image, docker=not args.no_docker, data_dir=args.data
+        )
         for job in remote.start(inventory, args.target, request, timeout):
-            how = f"container {job.get('container_id', name)}" if job["mode"] == "docker" else f"pid {job['pid']}"
-            print(f"started {name} on {job['host']} ({how}); run directory "
-                  f"{remote.job_dir(inventory.host(job['host']), name)}/{job['run_dir']}")
+            how = (
+                f"container {job.get('container_id', name)}"
+                if job["mode"] == "docker"
+                else f"pid {job['pid']}"
+            )
+            print(
+                f"started {name} on {job['host']} ({how}); run directory "
+                f"{remote.job_dir(inventory.host(job['host']), name)}/{job['run_dir']}"
+            )
         return 0
     if action == "status":
         reports = remote.status(inventory, args.target, args.name, timeout)
@@ -113,14 +176,17 @@ def dispatch(args: argparse.Namespace) -> int:
             print("\n".join(remote.format_status(report) for report in reports))
         return 0
     if action == "logs":
-        return remote.logs(inventory, args.host, args.name, follow=args.follow, lines=args.lines, timeout=timeout)
+        return remote.logs(
+            inventory, args.host, args.name, follow=args.follow, lines=args.lines, timeout=timeout
+        )
     if action == "stop":
         for message in remote.stop(inventory, args.target, args.name, args.grace, timeout):
             print(message)
         return 0
     if action == "fetch":
-        destination = remote.fetch(inventory, args.host, args.name, args.to,
-                                   checkpoints=not args.no_checkpoints, timeout=timeout)
+        destination = remote.fetch(
+            inventory, args.host, args.name, args.to, checkpoints=not args.no_checkpoints, timeout=timeout
+        )
         verdict = destination / "verdict.json"
         summary = ""
         if verdict.is_file():
@@ -133,7 +199,9 @@ def dispatch(args: argparse.Namespace) -> int:
     if action == "hosts":
         for host in inventory.hosts.values():
             key = f" key {host.key_file}" if host.key_file else ""
-            print(f"{host.name}: {host.user + '@' if host.user else ''}{host.address}:{host.port}{key} "
-                  f"dir {host.remote_dir}")
+            print(
+                f"{host.name}: {host.user + '@' if host.user else ''}{host.address}:{host.port}{key} "
+                f"dir {host.remote_dir}"
+            )
         return 0
     raise BadInput(f"remote: unknown action {action!r}")

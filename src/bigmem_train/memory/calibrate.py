@@ -64,8 +64,17 @@ CALIBRATION_JOBS: list[dict[str, Any]] = [
 ]
 
 
-def job_config(base: Config, shape, batch: int, filters: int, depth: int, channels: int,
-               precision: str = "float32", recompute: bool = False, classes: int = 1) -> Config:
+def job_config(
+    base: Config,
+    shape,
+    batch: int,
+    filters: int,
+    depth: int,
+    channels: int,
+    precision: str = "float32",
+    recompute: bool = False,
+    classes: int = 1,
+) -> Config:
     """``base`` with this job's shape, batch, filters, depth, channels, precision, gradient recomputation
     and classes (1: binary labels; more: multiclass with that many output classes)."""
     data = base.model_dump()
@@ -84,8 +93,13 @@ def job_config(base: Config, shape, batch: int, filters: int, depth: int, channe
 
 def predicted_for_run(config: Config, calibration: Calibration) -> dict[str, int]:
     """The planner's breakdown for ``config`` as a run holds it (the reader's buffers included)."""
-    return breakdown_for(config, layers.layer_table(config), calibration, config.training.batch_size,
-                         tuple(config.data.input_shape))
+    return breakdown_for(
+        config,
+        layers.layer_table(config),
+        calibration,
+        config.training.batch_size,
+        tuple(config.data.input_shape),
+    )
 
 
 # A whole run measured for the planner: two epochs of two steps, validation after each, checkpoints,
@@ -100,17 +114,24 @@ def whole_run_config(config: Config, results_dir: Path, run_name: str) -> Config
     """``config`` as a short whole run of the same job (model, batch, shape, channels, runtime), trained
     by ``bigmem-train train`` on a synthetic dataset of its input shape kept under ``results_dir``."""
     data = config.model_dump(mode="json")
-    data["data"].update(source="synthetic", path=None, synthetic_cases=WHOLE_RUN_CASES,
-                        synthetic_shape=list(config.data.input_shape), validation_fraction=0.25)
-    data["training"].update(epochs=WHOLE_RUN_EPOCHS, steps_per_epoch=WHOLE_RUN_STEPS, validation_steps=None,
-                            strategy="single")
+    data["data"].update(
+        source="synthetic",
+        path=None,
+        synthetic_cases=WHOLE_RUN_CASES,
+        synthetic_shape=list(config.data.input_shape),
+        validation_fraction=0.25,
+    )
+    data["training"].update(
+        epochs=WHOLE_RUN_EPOCHS, steps_per_epoch=WHOLE_RUN_STEPS, validation_steps=None, strategy="single"
+    )
     data["footprint"].update(target=None, safety_margin=0.02)  # measure what the host can hold
     data["output"].update(results_dir=str(results_dir), run_name=run_name)
     return Config.model_validate(data)
 
 
-def measure_run(config: Config, results_dir: Path, run_name: str, timeout: float = 7200,
-                keep: bool = False) -> dict[str, Any]:
+def measure_run(
+    config: Config, results_dir: Path, run_name: str, timeout: float = 7200, keep: bool = False
+) -> dict[str, Any]:
     """Run ``bigmem-train train`` on ``config`` as a short whole run (:func:`whole_run_config`) in a
     child process, as a user would; return its metrics.json (peak resident memory, step times) with
     the wall time. The run directory is removed unless ``keep``."""
@@ -124,7 +145,10 @@ def measure_run(config: Config, results_dir: Path, run_name: str, timeout: float
     started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-m", "bigmem_train.cli", "train", "--config", str(config_file)],
-        capture_output=True, text=True, timeout=timeout, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
     )
     if result.returncode != 0:
         tail = (result.stderr.strip() or result.stdout.strip()).splitlines()[-3:]
@@ -154,8 +178,12 @@ def tcmalloc_stats() -> dict[str, int]:
         return {}
     get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
     stats = {}
-    for name in ("generic.current_allocated_bytes", "generic.heap_size", "tcmalloc.pageheap_free_bytes",
-                 "tcmalloc.pageheap_unmapped_bytes"):
+    for name in (
+        "generic.current_allocated_bytes",
+        "generic.heap_size",
+        "tcmalloc.pageheap_free_bytes",
+        "tcmalloc.pageheap_unmapped_bytes",
+    ):
         value = ctypes.c_size_t(0)
         if get(name.encode(), ctypes.byref(value)):
             stats[name.split(".", 1)[1]] = int(value.value)
@@ -173,8 +201,10 @@ def reset_peak() -> None:
 def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
     """Least squares (normal equations) for a handful of unknowns, without numpy."""
     size = len(rows[0])
-    matrix = [[sum(r[i] * r[j] for r in rows) for j in range(size)] + [sum(r[i] * t for r, t in zip(rows, targets))]
-              for i in range(size)]
+    matrix = [
+        [sum(r[i] * r[j] for r in rows) for j in range(size)] + [sum(r[i] * t for r, t in zip(rows, targets))]
+        for i in range(size)
+    ]
     for column in range(size):
         pivot = max(range(column, size), key=lambda r: abs(matrix[r][column]))
         matrix[column], matrix[pivot] = matrix[pivot], matrix[column]
@@ -196,17 +226,35 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).
     """
-    def features(config: Config, activation: float = 0.0, workspace: float = 0.0, copies: float = 0.0,
-                 per_convolution: int = 0) -> int:
-        calibration = Calibration(runtime_baseline_bytes=0, activation_factor=activation, workspace_factor=workspace,
-                                  parameter_copies=copies, per_convolution_bytes=per_convolution)
+
+    def features(
+        config: Config,
+        activation: float = 0.0,
+        workspace: float = 0.0,
+        copies: float = 0.0,
+        per_convolution: int = 0,
+    ) -> int:
+        calibration = Calibration(
+            runtime_baseline_bytes=0,
+            activation_factor=activation,
+            workspace_factor=workspace,
+            parameter_copies=copies,
+            per_convolution_bytes=per_convolution,
+        )
         return sum(predicted_for_run(config, calibration).values())
 
     table, targets = [], []
     for config, measured in samples:
         rest = features(config)
-        table.append([1.0, features(config, activation=1.0) - rest, features(config, workspace=1.0) - rest,
-                      features(config, copies=1.0) - rest, (features(config, per_convolution=2**20) - rest)])
+        table.append(
+            [
+                1.0,
+                features(config, activation=1.0) - rest,
+                features(config, workspace=1.0) - rest,
+                features(config, copies=1.0) - rest,
+                (features(config, per_convolution=2**20) - rest),
+            ]
+        )
         targets.append(measured - rest)
     # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
     measurable = [i for i in (1, 2, 3, 4) if any(row[i] for row in table)]
@@ -221,9 +269,13 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     # Under oneDNN the column buffer cannot be measured: keep the built-in factor (about one sample's
     # patch matrix) for plans of jobs that switch oneDNN off, rather than a 0 that was never measured.
     workspace = round(values.get(2, 0.0), 4) if 2 in measurable else Calibration.workspace_factor
-    return Calibration(runtime_baseline_bytes=int(values[0]), activation_factor=round(values.get(1, 0.0), 4),
-                       workspace_factor=workspace, parameter_copies=round(values.get(3, 0.0), 3),
-                       per_convolution_bytes=int(values.get(4, 0.0) * 2**20))
+    return Calibration(
+        runtime_baseline_bytes=int(values[0]),
+        activation_factor=round(values.get(1, 0.0), 4),
+        workspace_factor=workspace,
+        parameter_copies=round(values.get(3, 0.0), 3),
+        per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
+    )
 
 
 def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
@@ -256,9 +308,14 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
 CALIBRATION_REPEATS = 2
 
 
-def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = None,
-              log: Callable[[str], None] | None = print, path: Path | None = None,
-              repeats: int = CALIBRATION_REPEATS, workdir: Path | None = None) -> Path:
+def calibrate(
+    base: Config | None = None,
+    jobs: list[dict[str, Any]] | None = None,
+    log: Callable[[str], None] | None = print,
+    path: Path | None = None,
+    repeats: int = CALIBRATION_REPEATS,
+    workdir: Path | None = None,
+) -> Path:
     """Measure ``jobs`` (default ``CALIBRATION_JOBS``) ``repeats`` times each as short whole runs
     (:func:`measure_run`), fit the constants, store them; return the file."""
     base = base or load_config()
@@ -269,24 +326,36 @@ def calibrate(base: Config | None = None, jobs: list[dict[str, Any]] | None = No
             config = job_config(base, **job)
             measured = measure_run(config, workdir, f"calibration-{index}-{repeat}")
             samples.append((config, measured["peak_rss_bytes"]))
-            records.append({**{k: list(v) if isinstance(v, tuple) else v for k, v in job.items()},
-                            "peak_rss_bytes": measured["peak_rss_bytes"]})
+            records.append(
+                {
+                    **{k: list(v) if isinstance(v, tuple) else v for k, v in job.items()},
+                    "peak_rss_bytes": measured["peak_rss_bytes"],
+                }
+            )
             if log:
-                log(f"  measured {job}: peak {measured['peak_rss_bytes'] / 2**30:.3f} GiB "
-                    f"({measured['wall_seconds']} s)")
+                log(
+                    f"  measured {job}: peak {measured['peak_rss_bytes'] / 2**30:.3f} GiB "
+                    f"({measured['wall_seconds']} s)"
+                )
     fitted = fit_constants(samples)
-    path = path or (Path(os.environ["BIGMEM_CALIBRATION"]) if os.environ.get("BIGMEM_CALIBRATION")
-                    else calibration_path_for_user())
-    data = calibration_data(fitted, {
-        "by": "bigmem-train plan --calibrate",
-        "how": f"{len(records)} whole runs ({repeats} of each job), each `bigmem-train train` in its own process: "
-               f"{WHOLE_RUN_EPOCHS} epochs of {WHOLE_RUN_STEPS} steps on a synthetic NIfTI dataset read through the "
-               "real pipeline, validation each epoch, checkpoints, TensorBoard, the sampler; the run's runtime "
-               "(oneDNN switch, allocator preloaded, threads); peak RSS (metrics.json)",
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        **runtime_record(base, measured),
-        "jobs": records,
-    })
+    path = path or (
+        Path(os.environ["BIGMEM_CALIBRATION"])
+        if os.environ.get("BIGMEM_CALIBRATION")
+        else calibration_path_for_user()
+    )
+    data = calibration_data(
+        fitted,
+        {
+            "by": "bigmem-train plan --calibrate",
+            "how": f"{len(records)} whole runs ({repeats} of each job), each `bigmem-train train` in its own process: "
+            f"{WHOLE_RUN_EPOCHS} epochs of {WHOLE_RUN_STEPS} steps on a synthetic NIfTI dataset read through the "
+            "real pipeline, validation each epoch, checkpoints, TensorBoard, the sampler; the run's runtime "
+            "(oneDNN switch, allocator preloaded, threads); peak RSS (metrics.json)",
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            **runtime_record(base, measured),
+            "jobs": records,
+        },
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path

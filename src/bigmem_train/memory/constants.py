@@ -56,8 +56,10 @@ class Calibration:
         runtime), or None."""
         warnings = []
         if self.skipped:
-            warnings.append(f"passed over {', '.join(self.skipped)} (made for the planner's earlier model; "
-                            "rerun `bigmem-train plan --calibrate`)")
+            warnings.append(
+                f"passed over {', '.join(self.skipped)} (made for the planner's earlier model; "
+                "rerun `bigmem-train plan --calibrate`)"
+            )
         mismatch = self.runtime_mismatch(config)
         if mismatch:
             warnings.append(mismatch)
@@ -74,9 +76,11 @@ class Calibration:
             differences.append(f"allocator {allocator}")
         if not differences:
             return None
-        return (f"fitted with {' and '.join(differences)}, this job runs with oneDNN "
-                f"{'on' if config.runtime.onednn else 'off'} and {config.runtime.allocator}; "
-                "rerun `bigmem-train plan --calibrate` with its runtime")
+        return (
+            f"fitted with {' and '.join(differences)}, this job runs with oneDNN "
+            f"{'on' if config.runtime.onednn else 'off'} and {config.runtime.allocator}; "
+            "rerun `bigmem-train plan --calibrate` with its runtime"
+        )
 
 
 PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
@@ -130,4 +134,3 @@ def load_calibration() -> Calibration:
             skipped=skipped,
         )
     return Calibration(skipped=skipped)
-

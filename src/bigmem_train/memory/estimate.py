@@ -49,7 +49,9 @@ PARALLEL_READS_AUTO = 4
 
 
 def _elements(row: dict[str, Any], batch: int, shape: tuple[int, int, int]) -> int:
-    return batch * math.prod(edge // divisor for edge, divisor in zip(shape, row["divisor"])) * row["channels"]
+    return (
+        batch * math.prod(edge // divisor for edge, divisor in zip(shape, row["divisor"])) * row["channels"]
+    )
 
 
 def _block_of(name: str) -> str:
@@ -139,8 +141,9 @@ def _recomputed_internals(table: list[dict[str, Any]], kept: KeptTensors) -> dic
     return internals
 
 
-def backward_live_bytes(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
-                        recompute: bool) -> tuple[int, int]:
+def backward_live_bytes(
+    table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int], recompute: bool
+) -> tuple[int, int]:
     """(bytes kept for backward incl. the loss's, largest bytes of activations and activation gradients
     alive at once during backward), by walking the backward pass layer by layer.
 
@@ -249,8 +252,9 @@ ONEDNN_OUTER_THREADING_ROWS = 256
 ONEDNN_SCRATCHPAD_LIMIT = 1 << 30
 
 
-def onednn_scratchpad_bytes(table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int],
-                            threads: int = 1) -> int:
+def onednn_scratchpad_bytes(
+    table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int], threads: int = 1
+) -> int:
     """The largest scratchpad oneDNN's Conv3D backward-weights kernel books for this model: one input
     sample of the convolution (transposed) + its im2col matrix for one output depth slice (kernel volume
     x input channels x output H x W), in the kernel's dtype; times the threads when oneDNN threads the
@@ -275,8 +279,12 @@ def onednn_scratchpad_bytes(table: list[dict[str, Any]], batch: int, shape: tupl
         slice_outputs = _elements(row, 1, shape) // row["channels"] // depth
         per_thread = (sample_input + kernel * producer["channels"] * slice_outputs) * itemsize
         copies = 1
-        if batch > 1 and threads > 1 and slice_outputs // threads < ONEDNN_OUTER_THREADING_ROWS \
-                and threads * per_thread < ONEDNN_SCRATCHPAD_LIMIT:
+        if (
+            batch > 1
+            and threads > 1
+            and slice_outputs // threads < ONEDNN_OUTER_THREADING_ROWS
+            and threads * per_thread < ONEDNN_SCRATCHPAD_LIMIT
+        ):
             copies = threads
         largest = max(largest, copies * per_thread)
     return largest
@@ -293,8 +301,13 @@ def convolution_layers(table: list[dict[str, Any]]) -> int:
     return sum(1 for row in table if row["kind"] in CONVOLUTION_KINDS)
 
 
-def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Calibration,
-                  batch: int, shape: tuple[int, int, int]) -> dict[str, int]:
+def breakdown_for(
+    config: Config,
+    table: list[dict[str, Any]],
+    calibration: Calibration,
+    batch: int,
+    shape: tuple[int, int, int],
+) -> dict[str, int]:
     """The peak-memory breakdown of ``config``'s model at ``batch`` and ``shape`` (bytes per component)."""
     table = expand_recomputed_blocks(table, config.model.batch_norm)
     trainable = sum(row["trainable_params"] for row in table)
@@ -313,12 +326,14 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
     column_buffers = scratchpad = 0
     if config.runtime.onednn:
         if onednn_uses_gemm_backward_weights():
-            scratchpad = onednn_scratchpad_bytes(table, batch, shape,
-                                                 config.runtime.intra_op_threads or os.cpu_count() or 1)
+            scratchpad = onednn_scratchpad_bytes(
+                table, batch, shape, config.runtime.intra_op_threads or os.cpu_count() or 1
+            )
     else:
         column_buffers = workspace_reference_bytes(table, batch, shape) * backward_concurrency(config)
-    workspace = (int(factor * live) - activations + int(calibration.workspace_factor * column_buffers)
-                 + scratchpad)
+    workspace = (
+        int(factor * live) - activations + int(calibration.workspace_factor * column_buffers) + scratchpad
+    )
     return {
         "weights": weights,
         "gradients": gradients,
@@ -335,6 +350,10 @@ def breakdown_for(config: Config, table: list[dict[str, Any]], calibration: Cali
 def estimate(config: Config, calibration: Calibration | None = None) -> dict[str, int]:
     """Predicted peak-memory breakdown (bytes) of ``config`` as it stands: keys in ``BREAKDOWN_KEYS``."""
     calibration = calibration or constants.load_calibration()
-    return breakdown_for(config, layers.layer_table(config), calibration,
-                         config.training.batch_size, tuple(config.data.input_shape))
-
+    return breakdown_for(
+        config,
+        layers.layer_table(config),
+        calibration,
+        config.training.batch_size,
+        tuple(config.data.input_shape),
+    )

@@ -53,7 +53,7 @@ def layer_table_from_keras(config: Config) -> list[dict[str, Any]]:
 
     from ..model import build_unet
 
-    edge = 2 ** config.model.depth * 2
+    edge = 2**config.model.depth * 2
     build_shape = (edge, edge, edge)
     previous_policy = keras.mixed_precision.global_policy()
     try:
@@ -134,31 +134,85 @@ def expand_recomputed_blocks(table: list[dict[str, Any]], batch_norm: bool) -> l
             expanded.append(row)
             continue
         name, filters = row["name"], row["channels"]
-        common = {"divisor": row["divisor"], "dtype": row["dtype"], "kernel_dtype": row["kernel_dtype"],
-                  "trainable_params": 0, "non_trainable_params": 0, "recomputed": True, "block": name}
+        common = {
+            "divisor": row["divisor"],
+            "dtype": row["dtype"],
+            "kernel_dtype": row["kernel_dtype"],
+            "trainable_params": 0,
+            "non_trainable_params": 0,
+            "recomputed": True,
+            "block": name,
+        }
         inner: list[dict[str, Any]] = []
         previous = row["inputs"][0]
         if len(row["inputs"]) == 2:  # an up block: upsample, concatenate with the skip
             skip = rows[row["inputs"][1]]
-            kind, kernel = (("Conv3DTranspose", [2, 2, 2]) if row.get("upsampling", "transpose") == "transpose"
-                            else ("UpSampling3D", []))
-            inner.append({**common, "name": f"{name}_upsample", "kind": kind, "inputs": [previous],
-                          "channels": filters, "activation": "linear", "kernel_size": kernel})
-            inner.append({**common, "name": f"{name}_concat", "kind": "Concatenate",
-                          "inputs": [f"{name}_upsample", skip["name"]], "channels": filters + skip["channels"],
-                          "activation": None, "kernel_size": []})
+            kind, kernel = (
+                ("Conv3DTranspose", [2, 2, 2])
+                if row.get("upsampling", "transpose") == "transpose"
+                else ("UpSampling3D", [])
+            )
+            inner.append(
+                {
+                    **common,
+                    "name": f"{name}_upsample",
+                    "kind": kind,
+                    "inputs": [previous],
+                    "channels": filters,
+                    "activation": "linear",
+                    "kernel_size": kernel,
+                }
+            )
+            inner.append(
+                {
+                    **common,
+                    "name": f"{name}_concat",
+                    "kind": "Concatenate",
+                    "inputs": [f"{name}_upsample", skip["name"]],
+                    "channels": filters + skip["channels"],
+                    "activation": None,
+                    "kernel_size": [],
+                }
+            )
             previous = f"{name}_concat"
         for index in (1, 2):
-            inner.append({**common, "name": f"{name}_conv{index}", "kind": "Conv3D", "inputs": [previous],
-                          "channels": filters, "activation": "linear", "kernel_size": [3, 3, 3]})
+            inner.append(
+                {
+                    **common,
+                    "name": f"{name}_conv{index}",
+                    "kind": "Conv3D",
+                    "inputs": [previous],
+                    "channels": filters,
+                    "activation": "linear",
+                    "kernel_size": [3, 3, 3],
+                }
+            )
             previous = f"{name}_conv{index}"
             if batch_norm:
-                inner.append({**common, "name": f"{name}_bn{index}", "kind": "BatchNormalization",
-                              "inputs": [previous], "channels": filters, "activation": None, "kernel_size": []})
+                inner.append(
+                    {
+                        **common,
+                        "name": f"{name}_bn{index}",
+                        "kind": "BatchNormalization",
+                        "inputs": [previous],
+                        "channels": filters,
+                        "activation": None,
+                        "kernel_size": [],
+                    }
+                )
                 previous = f"{name}_bn{index}"
             relu = name if index == 2 else f"{name}_relu{index}"
-            inner.append({**common, "name": relu, "kind": "Activation", "inputs": [previous],
-                          "channels": filters, "activation": "relu", "kernel_size": []})
+            inner.append(
+                {
+                    **common,
+                    "name": relu,
+                    "kind": "Activation",
+                    "inputs": [previous],
+                    "channels": filters,
+                    "activation": "relu",
+                    "kernel_size": [],
+                }
+            )
             previous = relu
         inner[0]["trainable_params"] = row["trainable_params"]
         inner[0]["non_trainable_params"] = row["non_trainable_params"]

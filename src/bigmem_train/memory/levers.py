@@ -38,13 +38,20 @@ class Lever:
     keeps_job: bool  # batch and input shape as configured
 
     def describe(self) -> str:
-        factor = f"{self.step_time_factor:.2f}x the step time" if self.step_time_factor else "step time not measured"
+        factor = (
+            f"{self.step_time_factor:.2f}x the step time"
+            if self.step_time_factor
+            else "step time not measured"
+        )
         return f"{self.change}: predicted peak {self.peak_bytes / 2**30:.2f} GiB, {factor} ({self.why})"
 
 
 def _peak(config: Config, table, calibration) -> int:
-    return sum(breakdown_for(config, table, calibration, config.training.batch_size,
-                             tuple(config.data.input_shape)).values())
+    return sum(
+        breakdown_for(
+            config, table, calibration, config.training.batch_size, tuple(config.data.input_shape)
+        ).values()
+    )
 
 
 def _with(config: Config, *, recompute: bool | None = None, precision: str | None = None) -> Config:
@@ -60,8 +67,9 @@ def native_bf16(cpu_flags: list[str] | None) -> bool:
     return bool(set(cpu_flags or ()) & NATIVE_BF16_FLAGS)
 
 
-def levers_to_fit(config: Config, limit_bytes: int, tables, calibration,
-                  cpu_flags: list[str] | None = None) -> list[Lever]:
+def levers_to_fit(
+    config: Config, limit_bytes: int, tables, calibration, cpu_flags: list[str] | None = None
+) -> list[Lever]:
     """The levers that bring ``config`` to at most ``limit_bytes``, cheapest first (empty when it fits or
     nothing does). ``tables(config)`` gives a config's layer table (recomputation changes the model)."""
     batch, shape = config.training.batch_size, tuple(config.data.input_shape)
@@ -70,15 +78,32 @@ def levers_to_fit(config: Config, limit_bytes: int, tables, calibration,
     found: list[Lever] = []
     candidates = []
     if not config.model.recompute:
-        candidates.append(("model.recompute: true", _with(config, recompute=True), RECOMPUTE_STEP_FACTOR,
-                           "gradient recomputation: the same mathematics, each level's forward pass run again"))
+        candidates.append(
+            (
+                "model.recompute: true",
+                _with(config, recompute=True),
+                RECOMPUTE_STEP_FACTOR,
+                "gradient recomputation: the same mathematics, each level's forward pass run again",
+            )
+        )
     if native_bf16(cpu_flags) and config.runtime.precision == "float32":
-        candidates.append(("runtime.precision: mixed_bfloat16", _with(config, precision="mixed_bfloat16"), None,
-                           "bfloat16 activations, float32 weights; this CPU computes bfloat16 natively"))
+        candidates.append(
+            (
+                "runtime.precision: mixed_bfloat16",
+                _with(config, precision="mixed_bfloat16"),
+                None,
+                "bfloat16 activations, float32 weights; this CPU computes bfloat16 natively",
+            )
+        )
         if not config.model.recompute:
-            candidates.append(("model.recompute: true and runtime.precision: mixed_bfloat16",
-                               _with(config, recompute=True, precision="mixed_bfloat16"), None,
-                               "both of the above"))
+            candidates.append(
+                (
+                    "model.recompute: true and runtime.precision: mixed_bfloat16",
+                    _with(config, recompute=True, precision="mixed_bfloat16"),
+                    None,
+                    "both of the above",
+                )
+            )
     for change, changed, factor, why in candidates:
         peak = _peak(changed, tables(changed), calibration)
         if peak <= limit_bytes:
@@ -88,16 +113,29 @@ def levers_to_fit(config: Config, limit_bytes: int, tables, calibration,
     fitting_batch = largest_batch(config, table, calibration, shape, limit_bytes, ceiling=max(1, batch - 1))
     if 1 <= fitting_batch < batch:
         smaller = with_job_size(config, fitting_batch, shape)
-        found.append(Lever(f"training.batch_size: {fitting_batch}", smaller, _peak(smaller, table, calibration),
-                           fitting_batch / batch, "fewer samples a step: the step time falls with them, the time "
-                           "per sample stays", keeps_job=False))
+        found.append(
+            Lever(
+                f"training.batch_size: {fitting_batch}",
+                smaller,
+                _peak(smaller, table, calibration),
+                fitting_batch / batch,
+                "fewer samples a step: the step time falls with them, the time per sample stays",
+                keeps_job=False,
+            )
+        )
     fitting_shape = largest_shape(config, table, calibration, batch, limit_bytes, ceiling=shape)
     if fitting_shape and fitting_shape != shape:
         smaller = with_job_size(config, batch, fitting_shape)
-        found.append(Lever(f"data.input_shape: [{', '.join(map(str, fitting_shape))}]", smaller,
-                           _peak(smaller, table, calibration), math.prod(fitting_shape) / math.prod(shape),
-                           "a smaller crop: less context per sample, step time falls with the voxels",
-                           keeps_job=False))
+        found.append(
+            Lever(
+                f"data.input_shape: [{', '.join(map(str, fitting_shape))}]",
+                smaller,
+                _peak(smaller, table, calibration),
+                math.prod(fitting_shape) / math.prod(shape),
+                "a smaller crop: less context per sample, step time falls with the voxels",
+                keeps_job=False,
+            )
+        )
     return found
 
 

@@ -30,13 +30,24 @@ class Placement:
         return []
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy, "nodes": self.nodes, "cpus": self.cpus, "reason": self.reason,
-                "all_memory_nodes": self.all_memory_nodes, "numactl": self.numactl_args()}
+        return {
+            "policy": self.policy,
+            "nodes": self.nodes,
+            "cpus": self.cpus,
+            "reason": self.reason,
+            "all_memory_nodes": self.all_memory_nodes,
+            "numactl": self.numactl_args(),
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Placement:
-        return cls(data["policy"], list(data["nodes"]), list(data["cpus"]), data["reason"],
-                   bool(data.get("all_memory_nodes", False)))
+        return cls(
+            data["policy"],
+            list(data["nodes"]),
+            list(data["cpus"]),
+            data["reason"],
+            bool(data.get("all_memory_nodes", False)),
+        )
 
 
 def decide_placement(peak_bytes: int, host: HostFacts, numa_policy: str, safety_margin: float) -> Placement:
@@ -48,7 +59,9 @@ def decide_placement(peak_bytes: int, host: HostFacts, numa_policy: str, safety_
     nodes = [node for node in host.numa_nodes if node.memory_total_bytes > 0]
     usable = set(host.usable_cpus)
     if len(nodes) <= 1:
-        return Placement("none", [node.node_id for node in nodes], sorted(usable), "one NUMA node: nothing to place")
+        return Placement(
+            "none", [node.node_id for node in nodes], sorted(usable), "one NUMA node: nothing to place"
+        )
     if numa_policy == "none":
         return Placement("none", [], sorted(usable), "numa_policy is none: the kernel's default placement")
     keep = 1.0 - safety_margin
@@ -62,7 +75,9 @@ def decide_placement(peak_bytes: int, host: HostFacts, numa_policy: str, safety_
         if fitting:
             node = max(fitting, key=lambda n: (n.memory_available_bytes, -n.node_id))
             return Placement(
-                "bind", [node.node_id], node_cpus(node),
+                "bind",
+                [node.node_id],
+                node_cpus(node),
                 f"fits node {node.node_id}: {format_bytes(peak_bytes)} <= {keep:.0%} of its available "
                 f"{format_bytes(node.memory_available_bytes)}; memory and cores bound to it",
             )
@@ -71,12 +86,20 @@ def decide_placement(peak_bytes: int, host: HostFacts, numa_policy: str, safety_
     cpus = sorted({cpu for node in with_cpus for cpu in node_cpus(node)})
     if peak_bytes <= cpu_memory * keep or len(with_cpus) == len(nodes):
         chosen = with_cpus
-        reason = (f"{prefix}larger than any one node; interleaved over the {len(chosen)} nodes with CPUs "
-                  f"({format_bytes(cpu_memory)} available)")
+        reason = (
+            f"{prefix}larger than any one node; interleaved over the {len(chosen)} nodes with CPUs "
+            f"({format_bytes(cpu_memory)} available)"
+        )
     else:
         chosen = nodes
-        reason = (f"{prefix}larger than the nodes with CPUs hold ({format_bytes(cpu_memory)} available); "
-                  f"interleaved over all {len(nodes)} nodes incl. memory-only ones")
-    return Placement("interleave", [node.node_id for node in chosen], cpus, reason,
-                     all_memory_nodes=len(chosen) == len(nodes))
-
+        reason = (
+            f"{prefix}larger than the nodes with CPUs hold ({format_bytes(cpu_memory)} available); "
+            f"interleaved over all {len(nodes)} nodes incl. memory-only ones"
+        )
+    return Placement(
+        "interleave",
+        [node.node_id for node in chosen],
+        cpus,
+        reason,
+        all_memory_nodes=len(chosen) == len(nodes),
+    )

@@ -96,8 +96,9 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
     if target is not None and lever is None:
         batch, shape = size_to_target(per_host, target, table, calibration)
         sized = with_job_size(config, batch * workers, shape)
-    breakdown = breakdown_for(sized, table, calibration, sized.training.batch_size // workers,
-                              tuple(sized.data.input_shape))
+    breakdown = breakdown_for(
+        sized, table, calibration, sized.training.batch_size // workers, tuple(sized.data.input_shape)
+    )
     if workers > 1:
         # The all-reduce packs the gradients into buffers of their size once more.
         breakdown["allreduce_buffers"] = breakdown["gradients"]
@@ -109,14 +110,25 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         raise BadInput(
             f"footprint.target {format_bytes(target)} is below the smallest job this config can be sized to "
             f"(resize: {config.footprint.resize}): input {shape}, batch {sized.training.batch_size} is predicted "
-            f"at {format_bytes(peak)}; set a target of at least that")
+            f"at {format_bytes(peak)}; set a target of at least that"
+        )
     if host is not None:
         placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
     else:
         placement = Placement("none", [], [], "no host facts")
-    return JobPlan(sized, peak, breakdown, target, placement, config.training.batch_size,
-                   tuple(config.data.input_shape), calibration.source, calibration.warning(config),
-                   workers, lever.change if lever else None)
+    return JobPlan(
+        sized,
+        peak,
+        breakdown,
+        target,
+        placement,
+        config.training.batch_size,
+        tuple(config.data.input_shape),
+        calibration.source,
+        calibration.warning(config),
+        workers,
+        lever.change if lever else None,
+    )
 
 
 def _host_limit(config: Config, host: HostFacts | None) -> int | None:
@@ -126,12 +138,20 @@ def _host_limit(config: Config, host: HostFacts | None) -> int | None:
     return int(host.effective_memory_bytes * (1.0 - config.footprint.safety_margin))
 
 
-def _lever_for(per_host: Config, limit: int, table, calibration: Calibration, host: HostFacts | None) -> Lever | None:
+def _lever_for(
+    per_host: Config, limit: int, table, calibration: Calibration, host: HostFacts | None
+) -> Lever | None:
     """The cheapest lever that keeps the job's batch and shape and brings it under ``limit``; None when
     the job fits as it is or no such lever does."""
-    if sum(breakdown_for(per_host, table, calibration, per_host.training.batch_size,
-                         tuple(per_host.data.input_shape)).values()) <= limit:
+    if (
+        sum(
+            breakdown_for(
+                per_host, table, calibration, per_host.training.batch_size, tuple(per_host.data.input_shape)
+            ).values()
+        )
+        <= limit
+    ):
         return None
-    return cheapest_keeping_job(levers_to_fit(per_host, limit, layers.layer_table, calibration,
-                                              host.cpu_flags if host else None))
-
+    return cheapest_keeping_job(
+        levers_to_fit(per_host, limit, layers.layer_table, calibration, host.cpu_flags if host else None)
+    )

@@ -64,8 +64,12 @@ def check_fits(plan: JobPlan, host: HostFacts) -> None:
         parts.append(f"largest input shape that fits at batch 1: {'x'.join(map(str, shape))}")
     levers = levers_to_fit(config, usable, layers.layer_table, constants.load_calibration(), host.cpu_flags)
     if levers:
-        parts.append("what would make it fit, cheapest first: "
-                     + " | ".join(f"({number}) {lever.describe()}" for number, lever in enumerate(levers, 1)))
-    parts.append("set one of these, or footprint.target (footprint.levers: auto applies the first that keeps "
-                 "the batch and shape)")
+        parts.append(
+            "what would make it fit, cheapest first: "
+            + " | ".join(f"({number}) {lever.describe()}" for number, lever in enumerate(levers, 1))
+        )
+    parts.append(
+        "set one of these, or footprint.target (footprint.levers: auto applies the first that keeps "
+        "the batch and shape)"
+    )
     raise DoesNotFit("; ".join(parts))

@@ -13,8 +13,9 @@ def _peak(config: Config, table, calibration, batch: int, shape) -> int:
     return sum(breakdown_for(config, table, calibration, batch, tuple(shape)).values())
 
 
-def largest_batch(config: Config, table, calibration, shape, limit_bytes: int,
-                  ceiling: int = MAX_BATCH_SIZE) -> int:
+def largest_batch(
+    config: Config, table, calibration, shape, limit_bytes: int, ceiling: int = MAX_BATCH_SIZE
+) -> int:
     """Largest batch whose peak at ``shape`` is at most ``limit_bytes``; 0 when not even 1 fits."""
     if _peak(config, table, calibration, 1, shape) > limit_bytes:
         return 0
@@ -28,11 +29,17 @@ def largest_batch(config: Config, table, calibration, shape, limit_bytes: int,
     return low
 
 
-def largest_shape(config: Config, table, calibration, batch: int, limit_bytes: int,
-                  ceiling: tuple[int, int, int] | None = None) -> tuple[int, int, int] | None:
+def largest_shape(
+    config: Config,
+    table,
+    calibration,
+    batch: int,
+    limit_bytes: int,
+    ceiling: tuple[int, int, int] | None = None,
+) -> tuple[int, int, int] | None:
     """Largest shape of the configured aspect (edges multiples of 2**depth, at most ``ceiling`` when given)
     whose peak at ``batch`` is at most ``limit_bytes``; None when not even the smallest fits."""
-    step = 2 ** config.model.depth
+    step = 2**config.model.depth
     base = tuple(config.data.input_shape)
 
     def fits(shape) -> bool:
@@ -83,16 +90,19 @@ def size_to_target(config: Config, target_bytes: int, table, calibration) -> tup
         return max(1, largest_batch(config, table, calibration, shape, target_bytes)), shape
     if mode == "shape":
         found = largest_shape(config, table, calibration, batch, target_bytes)
-        step = 2 ** config.model.depth
+        step = 2**config.model.depth
         return batch, found or (step, step, step)
     best_batch = largest_batch(config, table, calibration, shape, target_bytes)
     if best_batch == 0:
         found = largest_shape(config, table, calibration, 1, target_bytes, ceiling=shape)
-        step = 2 ** config.model.depth
+        step = 2**config.model.depth
         return 1, found or (step, step, step)
     candidates = [(best_batch, shape)]
-    more = (largest_shape(config, table, calibration, best_batch + 1, target_bytes, ceiling=shape)
-            if best_batch < MAX_BATCH_SIZE else None)
+    more = (
+        largest_shape(config, table, calibration, best_batch + 1, target_bytes, ceiling=shape)
+        if best_batch < MAX_BATCH_SIZE
+        else None
+    )
     if more:
         candidates.append((best_batch + 1, more))
     return max(candidates, key=lambda c: (_peak(config, table, calibration, c[0], c[1]), c[1] == shape))
@@ -112,4 +122,3 @@ def with_job_size(config: Config, batch: int, shape: tuple[int, int, int]) -> Co
     data["training"]["batch_size"] = batch
     data["data"]["input_shape"] = tuple(shape)
     return Config.model_validate(data)
-
