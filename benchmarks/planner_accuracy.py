@@ -201,7 +201,9 @@ def report(results: Path, calibration: Calibration) -> dict:
         f"{'met' if met else 'NOT met'} on {overall['jobs']} jobs"
         + (f" ({overall['single_run_jobs']} measured once so far)" if overall["single_run_jobs"] else "")
     )
-    return {"rows": rows, "summary": summary, "targets_met": met, "constants": calibration.source}
+    repo = Path(__file__).resolve().parents[1]
+    source = calibration.source.replace(f"{repo}/", "")  # no machine paths in stored results
+    return {"rows": rows, "summary": summary, "targets_met": met, "constants": source}
 
 
 def main() -> int:
@@ -226,7 +228,37 @@ def main() -> int:
     result = report(args.results, load_calibration())
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+        plot(result, args.json.with_suffix(".png"))
     return 0
+
+
+def plot(result: dict, path: Path) -> None:
+    """Predicted against measured peak per job (every run), with the tolerance band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 6))
+    top = max(max(row["measured"]) for row in result["rows"]) / GIB * 1.15
+    axis.plot([0, top], [0, top], color="black", linewidth=1, label="planned = measured")
+    axis.fill_between([0, top], [0, top * 0.9], [0, top * 1.1], color="grey", alpha=0.2, label="within 10 %")
+    for row in result["rows"]:
+        for measured in row["measured"]:
+            axis.scatter(measured / GIB, row["predicted"] / GIB, color="tab:blue", s=18)
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("measured peak of a whole run (GiB)")
+    axis.set_ylabel("planned peak (GiB)")
+    summary = result["summary"]["all"]
+    axis.set_title(
+        f"planner on whole runs: {summary['jobs']} jobs, MAE {summary['mae']:.1%}, "
+        f"worst {summary['worst']:.1%}"
+    )
+    axis.legend(loc="upper left")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
 
 
 if __name__ == "__main__":
