@@ -431,8 +431,8 @@ def test_rerun_while_a_job_runs_reports_it_and_leaves_it_running(site):
         pytest.skip(f"image and job roles not run: {site['docker_skip']}")
     assert site["third"] is not None, "an earlier converge failed"
     workdir, env, inventory = site["workdir"], site["env"], site["inventory"]
-    # A new run of about 3 min (epochs of ~3 s): the second play (~30 s) must find it still running; 16 epochs
-    # (~45 s) could end before the check.
+    # A new run of about 2 min (epochs of ~1.7 s): the second play (~25 s) must find it still running; with 16
+    # epochs the job finished in 27 s, before the check.
     job = {**_demo_host_vars(workdir / "results")["bigmem_train_job"], "epochs": 60}
     extra = ["--limit", "demo", "--tags", "train", "-e", json.dumps({"bigmem_train_job": job})]
     assert not _running_jobs(), _running_jobs()
