@@ -29,8 +29,9 @@ from pathlib import Path
 
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
-from bigmem_train.memory.calibrate import CALIBRATION_JOBS, job_config, measure_run, predicted_for_run
+from bigmem_train.memory.calibrate import CALIBRATION_JOBS, job_config, measure_run
 from bigmem_train.memory.constants import Calibration, load_calibration
+from bigmem_train.memory.estimate import estimate
 
 GIB = 2**30
 # Edges 48..240 incl. non-cubic, batch 1..8, base filters 8..32, depth 3..5, 1 and 4 channels, binary and
@@ -110,7 +111,7 @@ def measure(results: Path, repeats: int, max_bytes: float, only: list[int] | Non
             if (only and index not in only) or counts.get(describe(job), 0) > repeat:
                 continue
             config = config_of(job)
-            predicted = sum(predicted_for_run(config, calibration).values())
+            predicted = sum(estimate(config, calibration).values())
             if predicted > max_bytes:
                 continue
             load = os.getloadavg()[0]
@@ -147,7 +148,7 @@ def report(results: Path, calibration: Calibration) -> dict:
     rows = []
     for name, records in by_job.items():
         config = config_of(records[0]["job"])
-        predicted = sum(predicted_for_run(config, calibration).values())
+        predicted = sum(estimate(config, calibration).values())
         errors = [(predicted - r["peak_rss_bytes"]) / r["peak_rss_bytes"] for r in records]
         worst = min(errors) if min(errors) < 0 else max(errors)
         rows.append(

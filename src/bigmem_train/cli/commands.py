@@ -11,7 +11,6 @@ from pathlib import Path
 from ..config import Config
 from ..errors import EXIT_FAIL, EXIT_PASS, BadInput
 from ..host import read_host_facts
-from ..memory import layers
 from ..memory.calibrate import calibrate
 from ..memory.constants import load_calibration
 from ..memory.levers import levers_to_fit
@@ -42,7 +41,7 @@ def plan_command(config: Config, as_json: bool, calibrate_first: bool) -> int:
     usable = usable_bytes(plan, host)
     levers = []
     if plan.peak_bytes > usable:
-        levers = levers_to_fit(plan.config, usable, layers.layer_table, load_calibration(), host.cpu_flags)
+        levers = levers_to_fit(plan.config, usable, load_calibration(), host.cpu_flags)
     if as_json:
         print(
             json.dumps(

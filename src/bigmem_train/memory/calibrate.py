@@ -32,7 +32,7 @@ from ..config import Config, load_config
 from ..errors import BadInput
 from . import layers
 from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
-from .estimate import breakdown_for
+from .estimate import estimate
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
 # 8 to 32 filters, depths 3..5, whole-run peaks from 1.0 to 2.5 GiB. The two larger jobs are there because
@@ -89,17 +89,6 @@ def job_config(
     data["runtime"]["precision"] = precision
     data["footprint"]["target"] = None
     return Config.model_validate(data)
-
-
-def predicted_for_run(config: Config, calibration: Calibration) -> dict[str, int]:
-    """The planner's breakdown for ``config`` as a run holds it (the reader's buffers included)."""
-    return breakdown_for(
-        config,
-        layers.layer_table(config),
-        calibration,
-        config.training.batch_size,
-        tuple(config.data.input_shape),
-    )
 
 
 # A whole run measured for the planner: two epochs of two steps, validation after each, checkpoints,
@@ -241,7 +230,7 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
             parameter_copies=copies,
             per_convolution_bytes=per_convolution,
         )
-        return sum(predicted_for_run(config, calibration).values())
+        return sum(estimate(config, calibration).values())
 
     table, targets = [], []
     for config, measured in samples:

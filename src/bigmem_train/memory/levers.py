@@ -15,7 +15,8 @@ import math
 from dataclasses import dataclass
 
 from ..config import Config
-from .estimate import breakdown_for
+from . import layers
+from .estimate import estimate
 from .sizing import largest_batch, largest_shape, with_job_size
 
 # Step time with ``model.recompute`` against without, same job: 1.56x the CPU time per step (96^3, batch 1,
@@ -46,12 +47,8 @@ class Lever:
         return f"{self.change}: predicted peak {self.peak_bytes / 2**30:.2f} GiB, {factor} ({self.why})"
 
 
-def _peak(config: Config, table, calibration) -> int:
-    return sum(
-        breakdown_for(
-            config, table, calibration, config.training.batch_size, tuple(config.data.input_shape)
-        ).values()
-    )
+def _peak(config: Config, calibration) -> int:
+    return sum(estimate(config, calibration).values())
 
 
 def _with(config: Config, *, recompute: bool | None = None, precision: str | None = None) -> Config:
@@ -68,12 +65,12 @@ def native_bf16(cpu_flags: list[str] | None) -> bool:
 
 
 def levers_to_fit(
-    config: Config, limit_bytes: int, tables, calibration, cpu_flags: list[str] | None = None
+    config: Config, limit_bytes: int, calibration, cpu_flags: list[str] | None = None
 ) -> list[Lever]:
     """The levers that bring ``config`` to at most ``limit_bytes``, cheapest first (empty when it fits or
-    nothing does). ``tables(config)`` gives a config's layer table (recomputation changes the model)."""
+    nothing does)."""
     batch, shape = config.training.batch_size, tuple(config.data.input_shape)
-    if _peak(config, tables(config), calibration) <= limit_bytes:
+    if _peak(config, calibration) <= limit_bytes:
         return []
     found: list[Lever] = []
     candidates = []
@@ -105,11 +102,11 @@ def levers_to_fit(
                 )
             )
     for change, changed, factor, why in candidates:
-        peak = _peak(changed, tables(changed), calibration)
+        peak = _peak(changed, calibration)
         if peak <= limit_bytes:
             found.append(Lever(change, changed, peak, factor, why, keeps_job=True))
     # Then what changes the job itself: fewer samples a step, or a smaller crop.
-    table = tables(config)
+    table = layers.layer_table(config)
     fitting_batch = largest_batch(config, table, calibration, shape, limit_bytes, ceiling=max(1, batch - 1))
     if 1 <= fitting_batch < batch:
         smaller = with_job_size(config, fitting_batch, shape)
@@ -117,7 +114,7 @@ def levers_to_fit(
             Lever(
                 f"training.batch_size: {fitting_batch}",
                 smaller,
-                _peak(smaller, table, calibration),
+                _peak(smaller, calibration),
                 fitting_batch / batch,
                 "fewer samples a step: the step time falls with them, the time per sample stays",
                 keeps_job=False,
@@ -130,7 +127,7 @@ def levers_to_fit(
             Lever(
                 f"data.input_shape: [{', '.join(map(str, fitting_shape))}]",
                 smaller,
-                _peak(smaller, table, calibration),
+                _peak(smaller, calibration),
                 math.prod(fitting_shape) / math.prod(shape),
                 "a smaller crop: less context per sample, step time falls with the voxels",
                 keeps_job=False,

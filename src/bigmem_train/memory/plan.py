@@ -89,7 +89,7 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
     sized, lever = config, None
     limit = target if target is not None else _host_limit(config, host)
     if config.footprint.levers == "auto" and limit is not None:
-        lever = _lever_for(per_host, limit, table, calibration, host)
+        lever = _lever_for(per_host, limit, calibration, host)
         if lever is not None:
             sized = with_job_size(lever.config, config.training.batch_size, tuple(config.data.input_shape))
             table = layers.layer_table(sized)
@@ -139,19 +139,8 @@ def _host_limit(config: Config, host: HostFacts | None) -> int | None:
 
 
 def _lever_for(
-    per_host: Config, limit: int, table, calibration: Calibration, host: HostFacts | None
+    per_host: Config, limit: int, calibration: Calibration, host: HostFacts | None
 ) -> Lever | None:
     """The cheapest lever that keeps the job's batch and shape and brings it under ``limit``; None when
     the job fits as it is or no such lever does."""
-    if (
-        sum(
-            breakdown_for(
-                per_host, table, calibration, per_host.training.batch_size, tuple(per_host.data.input_shape)
-            ).values()
-        )
-        <= limit
-    ):
-        return None
-    return cheapest_keeping_job(
-        levers_to_fit(per_host, limit, layers.layer_table, calibration, host.cpu_flags if host else None)
-    )
+    return cheapest_keeping_job(levers_to_fit(per_host, limit, calibration, host.cpu_flags if host else None))

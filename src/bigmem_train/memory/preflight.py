@@ -62,7 +62,7 @@ def check_fits(plan: JobPlan, host: HostFacts) -> None:
         parts.append(f"not even batch 1 fits at {shape_text}")
     if shape:
         parts.append(f"largest input shape that fits at batch 1: {'x'.join(map(str, shape))}")
-    levers = levers_to_fit(config, usable, layers.layer_table, constants.load_calibration(), host.cpu_flags)
+    levers = levers_to_fit(config, usable, constants.load_calibration(), host.cpu_flags)
     if levers:
         parts.append(
             "what would make it fit, cheapest first: "
