@@ -8,25 +8,14 @@ step, which traces the graph) is still reported while it runs.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import threading
 import time
 from typing import TextIO
 
+from .monitor import rss_bytes
 from .sizes import GIB
-
-_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
-
-
-def resident_bytes() -> int:
-    """This process's resident memory from /proc/self/statm (no page-table walk: cheap at any size)."""
-    try:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * _PAGE_SIZE
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 def format_duration(seconds: float | None) -> str:
@@ -85,7 +74,7 @@ class ProgressState:
         elif self.step_started is not None and now - self.step_started >= 5:
             what = "tracing the first step" if not self.step_seconds else "step running"
             parts.append(f"{what} for {format_duration(now - self.step_started)}")
-        resident = resident_bytes()
+        resident = rss_bytes()
         memory = f"mem {resident / GIB:.2f} GiB"
         if self.planned_peak_bytes:
             memory += (

@@ -48,17 +48,15 @@ MEASURE_NAMES = {"rss": "resident memory, RSS"}
 PLAN_CHECK_FLOOR_BYTES = 256 * 2**20
 
 
-def judged_peak(run_dir: Path, metrics: dict[str, Any]) -> tuple[str, int]:
-    """(measure, peak) the footprint check judges: the run's cgroup working set when its cgroup had a limit
-    (what the kernel enforces), else RSS; metrics.json's ``memory_measure`` says which."""
-    measure = metrics.get("memory_measure") or "rss"
+def measured_peak(memory: list[dict[str, float]], metrics: dict[str, Any], measure: str = "rss") -> int:
+    """The peak of ``measure`` (RSS, or the run's cgroup working set): the larger of metrics.json's figure
+    and the memory.csv ``memory`` rows."""
     column, figure = (
         ("rss_bytes", "peak_rss_bytes")
         if measure == "rss"
         else ("working_set_bytes", "peak_cgroup_working_set_bytes")
     )
-    memory = read_memory_csv(Path(run_dir) / "memory.csv")
-    return measure, max([int(metrics.get(figure) or 0)] + [int(row.get(column, 0)) for row in memory])
+    return max([int(metrics.get(figure) or 0)] + [int(row.get(column, 0)) for row in memory])
 
 
 def _history(run_dir: Path) -> list[dict[str, float]]:
@@ -124,11 +122,14 @@ def evaluate(run_dir: Path) -> Verdict:
     )
 
     memory = read_memory_csv(run_dir / "memory.csv")
-    peak = max([int(metrics.get("peak_rss_bytes") or 0)] + [int(row.get("rss_bytes", 0)) for row in memory])
+    peak = measured_peak(memory, metrics)
     tolerance = config.footprint.tolerance
     target = metrics.get("target_bytes")
     if target:
-        measure, judged = judged_peak(run_dir, metrics)
+        # The footprint check judges what the kernel enforces: the run's cgroup working set when its cgroup
+        # had a limit, else RSS; metrics.json's ``memory_measure`` says which.
+        measure = metrics.get("memory_measure") or "rss"
+        judged = measured_peak(memory, metrics, measure)
         distance = abs(judged - target) / target
         criteria.append(
             Criterion(

@@ -4,7 +4,8 @@ step runs for long, and the first step announced as tracing."""
 import io
 import time
 
-from bigmem_train.progress import ProgressReporter, ProgressState, format_duration, resident_bytes
+from bigmem_train.monitor import rss_bytes
+from bigmem_train.progress import ProgressReporter, ProgressState, format_duration
 
 
 def test_the_status_line_shows_step_speed_memory_against_the_plan_and_time_left():
@@ -51,5 +52,5 @@ def test_a_terminal_gets_one_redrawn_line_and_events_above_it():
 
 
 def test_resident_bytes_and_durations():
-    assert 10 * 2**20 < resident_bytes() < 64 * 2**30
+    assert 10 * 2**20 < rss_bytes() < 64 * 2**30
     assert [format_duration(s) for s in (None, 5, 65, 3 * 3600 + 120)] == ["?", "5s", "1m05s", "3h02m"]
