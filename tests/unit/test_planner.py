@@ -139,6 +139,35 @@ def test_target_below_the_smallest_job_is_refused_as_bad_input(tables):
     assert plan.config.training.batch_size == 1
 
 
+
+def test_target_between_two_batches_is_refused_as_bad_input(tables):
+    """At the study's tile one sample is ~10 GiB: resize=batch cannot come within 10 % of a target that
+    lies between batch 1 and 2, and a run sized so would train and then fail its footprint check."""
+    one = plan_job(study(**{"training.batch_size": 1}), None, CALIBRATION).peak_bytes
+    two = plan_job(study(**{"training.batch_size": 2}), None, CALIBRATION).peak_bytes
+    between = f"{int(one / 0.85)}B"
+    assert one / 0.85 < two
+    with pytest.raises(
+        BadInput,
+        match=rf"cannot be reached within footprint.tolerance 10% \(resize: batch\): input 240x240x144 is "
+        rf"predicted at {one / GIB:.2f} GiB with batch 1 and {two / GIB:.2f} GiB with batch 2; set a target "
+        rf"between {one / 1.1 / GIB:.2f} and {one / 0.9 / GIB:.2f} GiB",
+    ):
+        plan_job(study(**{"footprint.target": between, "footprint.resize": "batch"}), None, CALIBRATION)
+    # Just inside the tolerance it is accepted; a wider tolerance accepts the farther target.
+    plan = plan_job(
+        study(**{"footprint.target": f"{int(one / 0.91)}B", "footprint.resize": "batch"}), None, CALIBRATION
+    )
+    assert plan.config.training.batch_size == 1
+    plan = plan_job(
+        study(
+            **{"footprint.target": between, "footprint.resize": "batch", "footprint.tolerance": 0.2}
+        ),
+        None,
+        CALIBRATION,
+    )
+    assert plan.config.training.batch_size == 1
+
 def test_plan_to_dict_has_bytes_and_gib(tables):
     data = plan_job(study(), host("two_node_cgroup1"), CALIBRATION).to_dict()
     assert data["breakdown"]["activations"]["bytes"] > 0

@@ -112,6 +112,12 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
             f"(resize: {config.footprint.resize}): input {shape}, batch {sized.training.batch_size} is predicted "
             f"at {format_bytes(peak)}; set a target of at least that"
         )
+    if target is not None and lever is None and _short_of(peak, target, config):
+        # The job sizing may make comes closest from below and still misses the target by more than the
+        # tolerance (a batch step of the study's tile is ~10 GiB): the run would train and then fail its
+        # footprint check, so this is refused too, naming the jobs on either side of the target. (A job a
+        # lever kept is not resized: there the target is the ceiling it must stay under.)
+        raise BadInput(_unreachable_target(config, sized, table, calibration, workers, peak, target))
     if host is not None:
         placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
     else:
@@ -128,6 +134,26 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         calibration.warning(config),
         workers,
         lever.change if lever else None,
+    )
+
+
+def _short_of(peak: int, target: int, config: Config) -> bool:
+    """Whether a job predicted at ``peak`` falls short of ``target`` by more than footprint.tolerance."""
+    return peak < target * (1 - config.footprint.tolerance)
+
+
+def _unreachable_target(config, sized, table, calibration, workers, peak, target) -> str:
+    """The one-line refusal of a target that sizing cannot come within the tolerance of."""
+    shape = tuple(sized.data.input_shape)
+    batch = sized.training.batch_size // workers
+    above = sum(breakdown_for(sized, table, calibration, batch + 1, shape).values())
+    tolerance = config.footprint.tolerance
+    return (
+        f"footprint.target {format_bytes(target)} cannot be reached within footprint.tolerance "
+        f"{tolerance:.0%} (resize: {config.footprint.resize}): input {'x'.join(map(str, shape))} is predicted "
+        f"at {gib(peak):.2f} GiB with batch {batch} and {gib(above):.2f} GiB with batch {batch + 1}"
+        f"{' per worker' if workers > 1 else ''}; set a target between {gib(peak / (1 + tolerance)):.2f} and "
+        f"{gib(peak / (1 - tolerance)):.2f} GiB, or let more change (footprint.resize, model.recompute)"
     )
 
 
