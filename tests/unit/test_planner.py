@@ -139,7 +139,6 @@ def test_target_below_the_smallest_job_is_refused_as_bad_input(tables):
     assert plan.config.training.batch_size == 1
 
 
-
 def test_target_between_two_batches_is_refused_as_bad_input(tables):
     """At the study's tile one sample is ~10 GiB: resize=batch cannot come within 10 % of a target that
     lies between batch 1 and 2, and a run sized so would train and then fail its footprint check."""
@@ -160,13 +159,12 @@ def test_target_between_two_batches_is_refused_as_bad_input(tables):
     )
     assert plan.config.training.batch_size == 1
     plan = plan_job(
-        study(
-            **{"footprint.target": between, "footprint.resize": "batch", "footprint.tolerance": 0.2}
-        ),
+        study(**{"footprint.target": between, "footprint.resize": "batch", "footprint.tolerance": 0.2}),
         None,
         CALIBRATION,
     )
     assert plan.config.training.batch_size == 1
+
 
 def test_plan_to_dict_has_bytes_and_gib(tables):
     data = plan_job(study(), host("two_node_cgroup1"), CALIBRATION).to_dict()
