@@ -132,6 +132,12 @@ class RuntimeConfig(_Section):
     # Memory allocator preloaded by the container entrypoint and the CLI's launcher (LD_PRELOAD).
     # tcmalloc: fastest and lowest peak of the three here (docs/performance.md).
     allocator: Literal["glibc", "jemalloc", "tcmalloc"] = "tcmalloc"
+    # Where TensorFlow's oneDNN build puts tensors (TF_ONEDNN_USE_SYSTEM_ALLOCATOR): "system" hands each
+    # tensor to the allocator above; "bfc" is TensorFlow's default, a best-fit pool that keeps every
+    # region it ever grew. At the study's scale the pool fragments: a 224x224x144 batch-3 job planned at
+    # 19.6 GiB grew from 17.2 GiB in its first step to over 23 GiB in the next ones (OOM-killed in 4 of 6
+    # runs); with "system" the same job held 17.9 GiB (docs/planner.md).
+    tensor_allocator: Literal["system", "bfc"] = "system"
     # oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported). Stock TensorFlow only
     # turns them on for CPUs with AVX512_VNNI/BF16 or AMX; on AVX2 it runs Eigen's convolutions, about
     # 3-4x slower for this model (docs/performance.md), so bigmem-train asks for them explicitly.

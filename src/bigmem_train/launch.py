@@ -62,13 +62,17 @@ def allocator_library(allocator: str) -> str | None:
 
 def runtime_environment(config: Config, environment: dict[str, str] | None = None) -> dict[str, str]:
     """``environment`` (default: this process's) with the runtime a job of ``config`` trains under:
-    TF_ENABLE_ONEDNN_OPTS from runtime.onednn and the configured allocator in LD_PRELOAD.
+    TF_ENABLE_ONEDNN_OPTS from runtime.onednn, TF_ONEDNN_USE_SYSTEM_ALLOCATOR from runtime.tensor_allocator
+    and the configured allocator in LD_PRELOAD.
 
     One definition for the run's launcher and for the planner's measuring children (calibration), so
     the constants are fitted on the kernels and the allocator a real run uses.
     """
     environment = dict(os.environ if environment is None else environment)
     environment["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
+    environment["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] = (
+        "1" if config.runtime.tensor_allocator == "system" else "0"
+    )
     library = allocator_library(config.runtime.allocator)
     if library and library not in environment.get("LD_PRELOAD", ""):
         environment["LD_PRELOAD"] = ":".join(filter(None, [library, environment.get("LD_PRELOAD")]))
@@ -192,6 +196,9 @@ def relaunch_if_needed(requested: Config, plan: JobPlan, host: HostFacts) -> Non
     # oneDNN is read once, when TensorFlow loads (the planner builds its model in a child process, so
     # TensorFlow is not loaded here yet).
     os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if plan.config.runtime.onednn else "0"
+    os.environ["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] = (
+        "1" if plan.config.runtime.tensor_allocator == "system" else "0"
+    )
     numactl = plan.placement.numactl_args() if len(host.numa_nodes) > 1 else []
     relaunch = launch_command(plan.config, numactl)
     if relaunch is None:

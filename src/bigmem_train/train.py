@@ -290,6 +290,7 @@ def train(
         "workers": workers,
         "allocator_requested": config.runtime.allocator,
         "allocator": preloaded_allocator(),
+        "tensor_allocator": "system" if os.environ.get("TF_ONEDNN_USE_SYSTEM_ALLOCATOR") == "1" else "bfc",
         "ld_preload": os.environ.get("LD_PRELOAD", ""),
         "numa_policy": plan.placement.policy if plan else "none",
         "strategy": config.training.strategy,

@@ -32,6 +32,7 @@ def test_runtime_defaults_are_the_measured_winners():
     assert runtime.precision == "float32"  # no AVX512_BF16/AMX here: mixed_bfloat16 is slower
     assert runtime.xla is False  # XLA's CPU convolutions are Eigen's, not oneDNN's
     assert Config().model.recompute is False  # a memory lever, not a speed lever: opt-in
+    assert runtime.tensor_allocator == "system"  # TensorFlow's BFC pool fragments at the study's scale
     for preset in ("default", "study"):
         assert load_config(preset).runtime == runtime
 
@@ -49,6 +50,7 @@ def test_the_launcher_preloads_the_default_allocator(monkeypatch):
         return  # nothing to preload on this machine; the launcher then raises BadInput (tested elsewhere)
     command, environment = launch_command(Config(), [])
     assert environment["LD_PRELOAD"].split(":")[0] == installed[0]
+    assert environment["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] == "1"
     assert command[:3] == [sys.executable, "-m", "bigmem_train.cli"]
 
 
@@ -79,3 +81,14 @@ def test_the_benchmark_measures_the_defaults():
     assert throughput.CHOSEN["recompute"] == Config().model.recompute
     assert throughput.CHOSEN["onednn"] == runtime.onednn
     assert (throughput.CHOSEN["intra"], throughput.CHOSEN["inter"]) == (None, None)  # launch.choose_threads
+
+
+def test_the_tensor_allocator_reaches_tensorflow_through_the_environment():
+    from bigmem_train.launch import runtime_environment
+
+    assert runtime_environment(Config(), {})["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] == "1"
+    pooled = load_config(None, {"runtime.tensor_allocator": "bfc"})
+    assert (
+        runtime_environment(pooled, {"TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"})["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"]
+        == "0"
+    )

@@ -417,10 +417,16 @@ def test_backward_walk_rebuilds_one_block_under_recomputation():
 
 
 def test_plan_says_when_the_constants_were_fitted_for_another_runtime():
-    calibration = Calibration(measured={"onednn": True, "allocator": "tcmalloc"})
+    calibration = Calibration(
+        measured={"onednn": True, "allocator": "tcmalloc", "tensor_allocator": "system"}
+    )
     assert calibration.runtime_mismatch(study()) is None
     message = calibration.runtime_mismatch(study(**{"runtime.onednn": False, "runtime.allocator": "glibc"}))
     assert "oneDNN on" in message and "allocator tcmalloc" in message and "--calibrate" in message
+    # A file from before runtime.tensor_allocator was measured with TensorFlow's BFC pool.
+    legacy = Calibration(measured={"onednn": True, "allocator": "tcmalloc"})
+    assert "tensor allocator bfc" in legacy.runtime_mismatch(study())
+    assert legacy.runtime_mismatch(study(**{"runtime.tensor_allocator": "bfc"})) is None
 
 
 def test_calibration_file_lookup_order(tmp_path, monkeypatch):

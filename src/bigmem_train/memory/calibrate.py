@@ -275,7 +275,12 @@ def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
         "host_cpus": os.cpu_count(),
         "onednn": bool(measured.get("onednn_enabled")),
         "allocator": measured.get("allocator"),
-        "requested": {"onednn": config.runtime.onednn, "allocator": config.runtime.allocator},
+        "tensor_allocator": measured.get("tensor_allocator", "bfc"),
+        "requested": {
+            "onednn": config.runtime.onednn,
+            "allocator": config.runtime.allocator,
+            "tensor_allocator": config.runtime.tensor_allocator,
+        },
     }
 
 

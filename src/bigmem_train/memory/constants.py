@@ -74,11 +74,16 @@ class Calibration:
         allocator = self.measured.get("allocator")
         if allocator and allocator != config.runtime.allocator:
             differences.append(f"allocator {allocator}")
+        # Files fitted before runtime.tensor_allocator existed were measured with TensorFlow's BFC pool.
+        tensors = self.measured.get("tensor_allocator", "bfc" if self.measured else None)
+        if tensors and tensors != config.runtime.tensor_allocator:
+            differences.append(f"tensor allocator {tensors}")
         if not differences:
             return None
         return (
             f"fitted with {' and '.join(differences)}, this job runs with oneDNN "
-            f"{'on' if config.runtime.onednn else 'off'} and {config.runtime.allocator}; "
+            f"{'on' if config.runtime.onednn else 'off'}, {config.runtime.allocator} and tensor allocator "
+            f"{config.runtime.tensor_allocator}; "
             "rerun `bigmem-train plan --calibrate` with its runtime"
         )
 
