@@ -30,56 +30,6 @@ def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool
     return x
 
 
-def sequenced_recompute_grad(f):
-    """``tf.recompute_grad`` whose backward releases the gradients of ``f``'s inputs only after every
-    gradient of the block (its weights' too) is computed, so that the next block's recomputation starts
-    after this block's rebuilt activations are freed.
-
-    With ``tf.recompute_grad`` the input gradients leave the block as soon as they are computed, and the
-    executor may start the next block's recomputation while this block's filter gradients (which still
-    read its rebuilt activations) wait: two rebuilt blocks alive at once. Measured at the study's
-    architecture, 224x224x144, batch 3, 16 filters: the same job peaked at 17.4 GiB in one process and
-    passed 23 GiB (killed by the OOM killer) in two others, in the first or second step. The plan counts
-    one rebuilt block at a time, which is what this ordering guarantees. Same mathematics: the gradients
-    are TensorFlow's, computed as ``tf.recompute_grad`` computes them (the recomputation is tied to the
-    output gradient by a data dependency, so graph optimizers cannot merge it with the forward pass).
-    """
-    import tensorflow as tf
-    from tensorflow.python.eager import record  # tf.recompute_grad's own way to keep f off the tape
-
-    @tf.custom_gradient
-    def inner(*args):
-        with record.stop_recording():
-            result = f(*args)
-
-        def gradient(*upstream, variables=None):
-            variables = list(variables or [])
-            with tf.GradientTape() as tape:
-                # A data dependency on the upstream gradient: the recomputation runs when backward
-                # reaches the block (tf.recompute_grad does the same; XLA ignores control dependencies).
-                first = tf.reshape(upstream[0], [-1])[:1]
-                ready = tf.cast(tf.reduce_max(first), tf.bool)
-                zero = tf.where(tf.equal(ready, ready), 0.0, float("nan"))
-                rebuilt_inputs = [tf.identity(arg) + tf.cast(zero, arg.dtype) for arg in args]
-                tape.watch(rebuilt_inputs)
-                tape.watch(variables)
-                rebuilt = f(*rebuilt_inputs)
-            grads = tape.gradient(
-                rebuilt,
-                rebuilt_inputs + variables,
-                output_gradients=list(upstream),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            input_grads, variable_grads = grads[: len(args)], grads[len(args) :]
-            with tf.control_dependencies(variable_grads + input_grads):
-                input_grads = [tf.identity(grad, name="after_block_backward") for grad in input_grads]
-            return input_grads, variable_grads
-
-        return result, gradient
-
-    return inner
-
-
 @keras.saving.register_keras_serializable(package="bigmem_train")
 class RecomputedBlock(layers.Layer):
     """One U-Net block whose inner activations are recomputed during backward instead of kept.
@@ -158,11 +108,12 @@ class RecomputedBlock(layers.Layer):
         return x
 
     def call(self, inputs, training=None):
+        import tensorflow as tf
 
         inputs = list(inputs) if self.upsample is not None else [inputs]
         # A fixed Python bool: the recomputation runs outside Keras' call context.
         training = bool(training)
-        return sequenced_recompute_grad(lambda *tensors: self._forward(tensors, training))(*inputs)
+        return tf.recompute_grad(lambda *tensors: self._forward(tensors, training))(*inputs)
 
     def compute_output_shape(self, input_shape):
         if self.upsample is not None:
