@@ -29,6 +29,7 @@ from pathlib import Path
 
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
+from bigmem_train.host import read_cpu_flags
 from bigmem_train.memory.calibrate import CALIBRATION_JOBS, job_config, measure_run
 from bigmem_train.memory.constants import Calibration, load_calibration
 from bigmem_train.memory.estimate import estimate
@@ -79,6 +80,15 @@ BANDS = [("< 2 GiB", 0, 2 * GIB), ("2 to 8 GiB", 2 * GIB, 8 * GIB), ("8 to 20 Gi
 DEFAULT_RESULTS = Path(__file__).resolve().parent / "planner_accuracy.whole_runs.jsonl"
 
 
+def cpu_kind() -> str:
+    """The oneDNN ISA class of this CPU, which decides the convolution kernels and so part of the peak:
+    avx512+amx, avx512 or avx2 (results from different kinds are reported apart)."""
+    flags = set(read_cpu_flags())
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "avx2"
+    return "avx512+amx" if "amx_tile" in flags else "avx512"
+
+
 def describe(job: dict) -> str:
     text = f"{'x'.join(map(str, job['shape']))} b{job['batch']} f{job['filters']} d{job['depth']} c{job['channels']}"
     if job.get("classes", 1) > 1:
@@ -126,6 +136,8 @@ def measure(results: Path, repeats: int, max_bytes: float, only: list[int] | Non
                 "median_step_seconds": metrics.get("median_step_seconds"),
                 "wall_seconds": metrics["wall_seconds"],
                 "load_before": round(load, 2),
+                "load_after": round(os.getloadavg()[0], 2),
+                "cpu": cpu_kind(),
                 "date": time.strftime("%Y-%m-%d"),
                 "host": platform.node(),
             }
