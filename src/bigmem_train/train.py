@@ -148,6 +148,10 @@ def compute_metrics(
         "peak_numa_node_bytes": node_peaks,
         "planned_peak_bytes": plan.peak_bytes if plan else None,
         "target_bytes": plan.target_bytes if plan else None,
+        # A job footprint.levers kept (its batch and shape) is not sized to the target: there the target
+        # is a ceiling the run must stay under, not a size it must reach.
+        "target_is_ceiling": bool(plan and plan.lever and plan.target_bytes),
+        "lever": plan.lever if plan else None,
         "median_step_seconds": round(median_step, 4) if median_step else None,
         "steps": len(steps),
         "voxels_per_step": voxels_per_step,

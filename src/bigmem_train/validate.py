@@ -131,15 +131,28 @@ def evaluate(run_dir: Path) -> Verdict:
         measure = metrics.get("memory_measure") or "rss"
         judged = measured_peak(memory, metrics, measure)
         distance = abs(judged - target) / target
-        criteria.append(
-            Criterion(
-                "footprint",
-                distance <= tolerance,
-                f"peak {format_bytes(judged)} ({MEASURE_NAMES.get(measure, measure)}) "
-                f"vs target {format_bytes(target)}: "
-                f"{distance:.1%} off, tolerance {tolerance:.0%}",
+        if metrics.get("target_is_ceiling"):
+            # footprint.levers kept the job (e.g. gradient recomputation at the configured batch and tile):
+            # the run passes when it stayed under the target, whatever share of it the kept job needs.
+            criteria.append(
+                Criterion(
+                    "footprint",
+                    judged <= target * (1 + tolerance),
+                    f"peak {format_bytes(judged)} ({MEASURE_NAMES.get(measure, measure)}) under the target "
+                    f"{format_bytes(target)} as a ceiling ({metrics.get('lever') or 'a lever'} kept the job): "
+                    f"{judged / target:.1%} of it, tolerance {tolerance:.0%} over",
+                )
             )
-        )
+        else:
+            criteria.append(
+                Criterion(
+                    "footprint",
+                    distance <= tolerance,
+                    f"peak {format_bytes(judged)} ({MEASURE_NAMES.get(measure, measure)}) "
+                    f"vs target {format_bytes(target)}: "
+                    f"{distance:.1%} off, tolerance {tolerance:.0%}",
+                )
+            )
     planned = metrics.get("planned_peak_bytes")
     if planned and peak:
         # Every run checks the planner (which models resident memory) against the measured RSS peak: a plan

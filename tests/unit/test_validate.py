@@ -76,6 +76,20 @@ def test_footprint_within_tolerance_of_target(tmp_path, peak, passes):
     assert ("footprint" not in failed_names(run_dir)) is passes
 
 
+@pytest.mark.parametrize("peak, passes", [(8 * 2**30, True), (int(10.9 * 2**30), True), (12 * 2**30, False)])
+def test_a_target_is_a_ceiling_for_a_job_a_lever_kept(tmp_path, peak, passes):
+    """footprint.levers kept the study's batch and tile under 120 GiB at 98.6 GiB: 18 % under the target is
+    a pass there (the job was not sized to it), over it by more than the tolerance is not."""
+    run_dir = make_run(tmp_path, GOOD, target=10 * 2**30, peak=peak)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics.update(target_is_ceiling=True, lever="model.recompute: true")
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    verdict = evaluate(run_dir)
+    assert ("footprint" not in {criterion.name for criterion in verdict.failed}) is passes
+    detail = next(criterion.detail for criterion in verdict.criteria if criterion.name == "footprint")
+    assert "as a ceiling (model.recompute: true kept the job)" in detail
+
+
 @pytest.mark.parametrize(
     "peak, planned, passes",
     [
