@@ -29,7 +29,7 @@ from pathlib import Path
 
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
-from bigmem_train.host import read_cpu_flags
+from bigmem_train.host import cpu_isa, read_cpu_flags
 from bigmem_train.memory.calibrate import CALIBRATION_JOBS, job_config, measure_run
 from bigmem_train.memory.constants import Calibration, load_calibration
 from bigmem_train.memory.estimate import estimate
@@ -81,12 +81,9 @@ DEFAULT_RESULTS = Path(__file__).resolve().parent / "planner_accuracy.whole_runs
 
 
 def cpu_kind() -> str:
-    """The oneDNN ISA class of this CPU, which decides the convolution kernels and so part of the peak:
-    avx512+amx, avx512 or avx2 (results from different kinds are reported apart)."""
-    flags = set(read_cpu_flags())
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-        return "avx2"
-    return "avx512+amx" if "amx_tile" in flags else "avx512"
+    """The oneDNN ISA class of this CPU (``host.cpu_isa``), which decides the convolution kernels and so
+    part of the peak; results from different CPUs are kept in different files."""
+    return cpu_isa(read_cpu_flags())
 
 
 def describe(job: dict) -> str:

@@ -49,6 +49,7 @@ def chosen_settings() -> dict:
     return {
         "onednn": config.runtime.onednn,
         "allocator": config.runtime.allocator,
+        "tensor_allocator": config.runtime.tensor_allocator,
         "thp": False,
         "intra": config.runtime.intra_op_threads,  # None: launch.choose_threads (physical cores)
         "inter": config.runtime.inter_op_threads,  # None: launch.choose_threads (1)
@@ -76,7 +77,7 @@ LEVERS = {
     # oneDNN lets float32 convolutions compute in bfloat16 (AMX / AVX512_BF16) when this is set; on CPUs
     # without them it changes nothing. Numerics change (like TF32 on GPUs): opt-in, measured on its own.
     "oneDNN fpmath bf16 (ONEDNN_DEFAULT_FPMATH_MODE=BF16)": {"env": {"ONEDNN_DEFAULT_FPMATH_MODE": "BF16"}},
-    "TF_ONEDNN_USE_SYSTEM_ALLOCATOR=1": {"env": {"TF_ONEDNN_USE_SYSTEM_ALLOCATOR": "1"}},
+    "tensor allocator: TensorFlow's BFC pool": {"tensor_allocator": "bfc"},
 }
 
 
@@ -219,6 +220,7 @@ def worker_model(spec: dict) -> dict:
             "precision": settings["precision"],
             "xla": settings["xla"],
             "allocator": settings["allocator"],
+            "tensor_allocator": settings.get("tensor_allocator", "bfc"),
         }
         if settings["intra"]:
             runtime["intra_op_threads"] = settings["intra"]
@@ -370,12 +372,19 @@ def _environment(kind: str, settings: dict | None) -> tuple[dict, list[str]]:
     env = dict(os.environ)
     env["TF_CPP_MIN_LOG_LEVEL"] = "3"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
-    for key in ("LD_PRELOAD", "TF_ENABLE_ONEDNN_OPTS", "GLIBC_TUNABLES", "MALLOC_CONF"):
+    for key in (
+        "LD_PRELOAD",
+        "TF_ENABLE_ONEDNN_OPTS",
+        "TF_ONEDNN_USE_SYSTEM_ALLOCATOR",
+        "GLIBC_TUNABLES",
+        "MALLOC_CONF",
+    ):
         env.pop(key, None)
     prefix: list[str] = []
     if settings is None:
         return env, prefix
     env["TF_ENABLE_ONEDNN_OPTS"] = "1" if settings["onednn"] else "0"
+    env["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] = "1" if settings.get("tensor_allocator") == "system" else "0"
     library = ALLOCATORS[settings["allocator"]]
     if library is not None:
         env["LD_PRELOAD"] = str(library)

@@ -56,6 +56,13 @@ class HostFacts:
     swap_free_bytes: int = 0
     # Memory charged to this process's cgroup now (None without a cgroup memory controller).
     cgroup_usage_bytes: int | None = None
+    # /proc/cpuinfo's "model name" ("" where it has none): oneDNN picks kernels, blockings and buffers by
+    # the CPU, so the planner's constants are fitted per CPU (see Calibration.cpu_mismatch).
+    cpu_model: str = ""
+
+    @property
+    def cpu_isa(self) -> str:
+        return cpu_isa(self.cpu_flags)
 
     @property
     def effective_memory_bytes(self) -> int:
@@ -363,6 +370,25 @@ def read_cpu_flags(root: Path = Path("/")) -> list[str]:
     return []
 
 
+def read_cpu_model(root: Path = Path("/")) -> str:
+    for line in _read(root / "proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            return " ".join(line.split(":", 1)[1].split())
+    return ""
+
+
+def cpu_isa(flags: list[str]) -> str:
+    """The oneDNN instruction-set class of a CPU with these flags, which decides the convolution kernels
+    and their buffers: avx512+amx, avx512+bf16 (native bf16 dot products, no AMX), avx512, avx2 or
+    "other"."""
+    present = set(flags)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= present:
+        if "amx_tile" in present:
+            return "avx512+amx"
+        return "avx512+bf16" if "avx512_bf16" in present else "avx512"
+    return "avx2" if "avx2" in present else "other"
+
+
 def read_host_facts(root: Path = Path("/")) -> HostFacts:
     """Read everything the planner and preflight need about this host."""
     meminfo = parse_meminfo(_read(root / "proc/meminfo"))
@@ -392,6 +418,7 @@ def read_host_facts(root: Path = Path("/")) -> HostFacts:
         hugetlb_bytes=meminfo.get("Hugetlb", 0),
         swap_free_bytes=meminfo.get("SwapFree", 0),
         cgroup_usage_bytes=usage,
+        cpu_model=read_cpu_model(root),
     )
 
 

@@ -429,6 +429,33 @@ def test_plan_says_when_the_constants_were_fitted_for_another_runtime():
     assert legacy.runtime_mismatch(study(**{"runtime.tensor_allocator": "bfc"})) is None
 
 
+def test_plan_says_when_the_constants_were_fitted_on_another_cpu(tmp_path):
+    xeon = {"model": "Intel(R) Xeon(R) Platinum 8375C CPU @ 2.90GHz", "isa": "avx512"}
+    calibration = Calibration(
+        measured={"onednn": True, "allocator": "tcmalloc", "tensor_allocator": "system", "cpu": xeon}
+    )
+    root = tmp_path / "host"
+    (root / "proc").mkdir(parents=True)
+    for name in ("meminfo", "cmdline"):
+        (root / "proc" / name).write_text(
+            (FIXTURES / "hosts" / "one_node_cgroup2" / "proc" / name).read_text()
+        )
+    flags = "flags\t\t: fpu sse2 avx2 avx512f avx512bw avx512vl avx512dq avx512_bf16\n"
+    (root / "proc" / "cpuinfo").write_text(
+        f"processor\t: 0\nmodel name\t: AMD EPYC 9454 48-Core Processor\n{flags}"
+    )
+    epyc = read_host_facts(root)
+    assert (epyc.cpu_model, epyc.cpu_isa) == ("AMD EPYC 9454 48-Core Processor", "avx512+bf16")
+    warning = plan_job(study(), host=epyc, calibration=calibration).calibration_warning
+    assert "Xeon(R) Platinum 8375C" in warning and "AMD EPYC 9454" in warning and "--calibrate" in warning
+    # The same CPU, or a file or host that does not say which CPU: nothing to warn about.
+    xeon_flags = flags.replace(" avx512_bf16", "")
+    (root / "proc" / "cpuinfo").write_text(f"processor\t: 0\nmodel name\t: {xeon['model']}\n{xeon_flags}")
+    assert calibration.cpu_mismatch(read_host_facts(root)) is None
+    assert Calibration(measured={"onednn": True}).cpu_mismatch(epyc) is None
+    assert calibration.cpu_mismatch(host("one_node_cgroup2")) is None
+
+
 def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     # (not the ``tables`` fixture: the real lookup)
     user = tmp_path / "cache"

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..config import Config, load_config
 from ..errors import BadInput
+from ..host import cpu_isa, read_cpu_flags, read_cpu_model
 from . import layers
 from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
 from .estimate import estimate
@@ -273,6 +274,7 @@ def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
         "tensorflow": measured.get("tensorflow_version"),
         "threads": [measured.get("intra_op_threads"), measured.get("inter_op_threads")],
         "host_cpus": os.cpu_count(),
+        "cpu": {"model": read_cpu_model(), "isa": cpu_isa(read_cpu_flags())},
         "onednn": bool(measured.get("onednn_enabled")),
         "allocator": measured.get("allocator"),
         "tensor_allocator": measured.get("tensor_allocator", "bfc"),

@@ -131,7 +131,7 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         config.training.batch_size,
         tuple(config.data.input_shape),
         calibration.source,
-        calibration.warning(config),
+        calibration.warning(config, host),
         workers,
         lever.change if lever else None,
     )
