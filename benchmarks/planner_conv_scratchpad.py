@@ -13,6 +13,7 @@ gradient) is a few KiB, so the first call's rise is the scratchpad plus the kern
 (about 11 MiB); the later calls rise by 0 (the buffer is reused).
 
     python benchmarks/planner_conv_scratchpad.py              # the cases below, one process each
+    python benchmarks/planner_conv_scratchpad.py --case 1,144,240,240,32,16   # this case only (repeatable)
 """
 
 from __future__ import annotations
@@ -101,6 +102,15 @@ def main() -> int:
     if sys.argv[1:2] == ["--child"]:
         print(json.dumps(child(tuple(json.loads(sys.argv[2])))))
         return 0
+    cases = CASES
+    if "--case" in sys.argv:
+        cases = [
+            tuple(int(part) for part in sys.argv[index + 1].split(","))
+            for index, word in enumerate(sys.argv)
+            if word == "--case"
+        ]
+        if any(len(case) != 6 for case in cases):
+            raise SystemExit("--case takes batch,depth,height,width,in_channels,out_channels")
     from bigmem_train.config import load_config
     from bigmem_train.launch import runtime_environment
 
@@ -113,7 +123,7 @@ def main() -> int:
         "| batch x D x H x W, channels in -> out | first call rise MiB | later calls | formula MiB | rise - formula |"
     )
     print("|---|---:|---:|---:|---:|")
-    for case in CASES:
+    for case in cases:
         result = subprocess.run(
             [sys.executable, __file__, "--child", json.dumps(case)],
             env=env,

@@ -79,11 +79,18 @@ def runtime_environment(config: Config, environment: dict[str, str] | None = Non
     return environment
 
 
-def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = None) -> tuple[int, int]:
-    """Intra-op threads: configured, else the physical cores we may run on; inter-op: configured, else 1.
+# TensorFlow's inter-op parallelism that runs every op in the calling thread, one after another.
+INLINE_OPS = -1
 
-    One inter-op thread keeps every core on the convolution at hand: the U-Net is a chain of large
-    ops with little to overlap, and two ops side by side would split the cores and the caches.
+
+def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = None) -> tuple[int, int]:
+    """Intra-op threads: configured, else the physical cores we may run on. Inter-op: ``INLINE_OPS``
+    (-1) under runtime.inline_ops for a single-host job, else configured, else 1.
+
+    One op at a time keeps every core on the convolution at hand: the U-Net is a chain of large ops with
+    little to overlap, and two ops side by side would split the cores and the caches. Inline (rather than
+    one pool thread, which still runs beside the calling thread) also fixes the order ops run in, and with
+    it what is alive at the peak: the same job peaks the same in every run.
     """
     intra = config.runtime.intra_op_threads
     if intra is None:
@@ -92,6 +99,8 @@ def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = Non
             intra = max(1, round(host.physical_cores * share))
         else:
             intra = host.physical_cores
+    if config.runtime.inline_ops and config.training.strategy == "single":
+        return intra, INLINE_OPS
     inter = config.runtime.inter_op_threads or 1
     return intra, inter
 

@@ -169,7 +169,10 @@ def write_report(run_dir: Path) -> Path:
         ),
         ("Transparent huge pages at peak", size(metrics.get("peak_anon_hugepages_bytes"))),
         ("NUMA policy", metrics.get("numa_policy")),
-        ("Threads (intra / inter)", f"{metrics.get('intra_op_threads')} / {metrics.get('inter_op_threads')}"),
+        (
+            "Threads (intra / inter)",
+            f"{metrics.get('intra_op_threads')} / {_inter_op(metrics.get('inter_op_threads'))}",
+        ),
         (
             "TensorFlow / oneDNN",
             f"{metrics.get('tensorflow_version')} / {'on' if metrics.get('onednn_enabled') else 'off'}",
@@ -205,3 +208,8 @@ def write_report(run_dir: Path) -> Path:
     path = run_dir / "report.html"
     path.write_text(page)
     return path
+
+
+def _inter_op(threads) -> str:
+    """The inter-op setting as a person reads it (-1: every op in the calling thread)."""
+    return "inline (one op at a time)" if threads == -1 else str(threads)

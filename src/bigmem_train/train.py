@@ -246,7 +246,8 @@ def train(
     numa_nodes = [node.node_id for node in host.numa_nodes]
     print(
         f"bigmem-train: training {config.data.input_shape} x batch {config.training.batch_size}, "
-        f"{datasets.train_steps} steps/epoch, {config.training.epochs} epochs, threads {intra}/{inter}, "
+        f"{datasets.train_steps} steps/epoch, {config.training.epochs} epochs, {intra} threads, "
+        f"{'ops inline' if inter == -1 else f'{inter} inter-op'}, "
         f"oneDNN {'on' if build['onednn_enabled'] else 'off'}"
         + (" (resuming from backup)" if resuming else ""),
         flush=True,

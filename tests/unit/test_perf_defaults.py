@@ -33,13 +33,24 @@ def test_runtime_defaults_are_the_measured_winners():
     assert runtime.xla is False  # XLA's CPU convolutions are Eigen's, not oneDNN's
     assert Config().model.recompute is False  # a memory lever, not a speed lever: opt-in
     assert runtime.tensor_allocator == "system"  # TensorFlow's BFC pool fragments at the study's scale
+    assert runtime.inline_ops is True  # the same job peaks the same in every run, at the same speed
     for preset in ("default", "study"):
         assert load_config(preset).runtime == runtime
 
 
-def test_threads_default_to_all_cores_and_one_inter_op_thread():
-    assert choose_threads(Config(), one_node_host(2)) == (2, 1)
-    assert choose_threads(Config(), one_node_host(48)) == (48, 1)
+def test_threads_default_to_all_cores_and_ops_one_at_a_time_in_the_calling_thread():
+    # -1: TensorFlow runs every op inline (a pool thread would run a second op beside the calling thread,
+    # in an order that varies from run to run, and the peak with it).
+    assert choose_threads(Config(), one_node_host(2)) == (2, -1)
+    assert choose_threads(Config(), one_node_host(48)) == (48, -1)
+    # A rendered config names one inter-op thread; inline still wins for a single-host job ...
+    assert choose_threads(load_config(None, {"runtime.inter_op_threads": 1}), one_node_host(2)) == (2, -1)
+    # ... not for a multi-worker one (its collective ops need the pool), nor when switched off.
+    multi = load_config(None, {"training.strategy": "multi_worker"})
+    assert choose_threads(multi, one_node_host(2)) == (2, 1)
+    pool = {"runtime.inline_ops": False, "runtime.inter_op_threads": 2}
+    assert choose_threads(load_config(None, pool), one_node_host(2)) == (2, 2)
+    assert choose_threads(load_config(None, {"runtime.inline_ops": False}), one_node_host(2)) == (2, 1)
 
 
 def test_the_launcher_preloads_the_default_allocator(monkeypatch):

@@ -293,6 +293,8 @@ def onednn_scratchpad_bytes(
 def backward_concurrency(config: Config) -> int:
     """Column buffers alive at once: 1 with one inter-op thread (train.choose_threads' default); with more,
     a convolution's input-gradient and filter-gradient kernels run side by side, each with its own."""
+    if config.runtime.inline_ops and config.training.strategy == "single":
+        return 1
     return min(2, config.runtime.inter_op_threads or 1)
 
 
