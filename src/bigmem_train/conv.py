@@ -27,120 +27,22 @@ have no such limit).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import keras
 from keras import layers
 
-# gemm_convolution_utils.cpp: scratchpad_limit_by_absolute_value.
-ONEDNN_SCRATCHPAD_LIMIT_BYTES = 1 << 30
-# memory_tracking.hpp: every booked buffer is padded by its alignment (default_alignment = 128).
-ONEDNN_BOOKING_ALIGNMENT = 128
-# Chunks are sized to stay this far under the limit, for booking details of other oneDNN versions.
-CHUNK_HEADROOM_BYTES = 32 << 20
-
-
-@dataclass(frozen=True)
-class ConvGeometry:
-    """One stride-1, undilated 3D convolution on channels-last data, per sample."""
-
-    spatial: tuple[int, int, int]  # input D, H, W (TensorFlow's NDHWC order = oneDNN's id, ih, iw)
-    in_channels: int
-    out_channels: int
-    kernel: tuple[int, int, int] = (3, 3, 3)
-    padding: str = "same"
-    dtype_bytes: int = 4
-
-    @property
-    def output_spatial(self) -> tuple[int, int, int]:
-        if self.padding == "same":
-            return self.spatial
-        return tuple(edge - k + 1 for edge, k in zip(self.spatial, self.kernel))
-
-
-def gemm_backward_weights_scratchpad_bytes(geometry: ConvGeometry, threads: int = 1) -> int:
-    """Bytes oneDNN's ``x64:gemm:jit`` backward-weights convolution books for ``geometry`` on channels-last
-    data with ``threads`` threads working on separate samples (1 for large slices: see
-    :func:`gemm_backward_weights_threads`). Follows init_conf's nspc bwd_w branch booking by booking."""
-    kernel_volume = math.prod(geometry.kernel)
-    _, out_h, out_w = geometry.output_spatial
-    size = geometry.dtype_bytes
-    trivial = kernel_volume == 1 and geometry.output_spatial == geometry.spatial
-    im2col = 0 if trivial else geometry.in_channels * kernel_volume * out_h * out_w * size
-    weights_bytes = 4 * geometry.out_channels * geometry.in_channels * kernel_volume
-    reduction = 4 * weights_bytes  # scratchpad.book<float>(key_conv_wei_reduction, nthr * weights_d.size())
-    transposed_input = geometry.in_channels * math.prod(geometry.spatial) * size
-    return sum(
-        threads * part + ONEDNN_BOOKING_ALIGNMENT for part in (im2col, reduction, transposed_input) if part
-    )
-
-
-def gemm_backward_weights_threads(geometry: ConvGeometry, batch: int, threads: int) -> int:
-    """oneDNN's ``jcp.nthr`` for this kernel: all threads (one sample each) only when a batch of several
-    samples has small output slices (rows per thread < 256) and the threads' copies fit the limit."""
-    _, out_h, out_w = geometry.output_spatial
-    if batch == 1 or threads == 1 or (out_h * out_w) // threads >= 256:
-        return 1
-    per_thread = gemm_backward_weights_scratchpad_bytes(geometry, 1)
-    return threads if threads * per_thread < ONEDNN_SCRATCHPAD_LIMIT_BYTES else 1
-
-
-def gemm_backward_weights_limit(geometry: ConvGeometry, batch: int, threads: int) -> int:
-    """The scratchpad limit init_conf applies: min(1 GiB, 15 x threads x (src + weights + dst bytes))."""
-    src = batch * geometry.in_channels * math.prod(geometry.spatial) * geometry.dtype_bytes
-    dst = batch * geometry.out_channels * math.prod(geometry.output_spatial) * geometry.dtype_bytes
-    weights = geometry.out_channels * geometry.in_channels * math.prod(geometry.kernel) * geometry.dtype_bytes
-    return min(ONEDNN_SCRATCHPAD_LIMIT_BYTES, 15 * threads * (src + weights + dst))
-
-
-def gemm_backward_weights_fits(geometry: ConvGeometry, batch: int = 1, threads: int = 1) -> bool:
-    """Whether oneDNN's gemm backward-weights kernel accepts this convolution (else: ``ref:any``)."""
-    nthr = gemm_backward_weights_threads(geometry, batch, threads)
-    return gemm_backward_weights_scratchpad_bytes(geometry, nthr) <= gemm_backward_weights_limit(
-        geometry, batch, threads
-    )
-
-
-def _halo(kernel_depth: int, padding: str) -> tuple[int, int]:
-    """Input planes a chunk reads before its first and after its last output plane."""
-    if padding == "same":
-        front = (kernel_depth - 1) // 2
-        return front, kernel_depth - 1 - front
-    return 0, kernel_depth - 1
-
-
-def slab_geometry(geometry: ConvGeometry, chunk: int) -> ConvGeometry:
-    """The convolution one depth chunk of ``chunk`` output planes runs (its input slab has the halo)."""
-    front, back = _halo(geometry.kernel[0], geometry.padding)
-    depth, height, width = geometry.spatial
-    return ConvGeometry(
-        (min(depth, chunk + front + back), height, width),
-        geometry.in_channels,
-        geometry.out_channels,
-        geometry.kernel,
-        geometry.padding,
-        geometry.dtype_bytes,
-    )
-
-
-def plan_depth_chunk(geometry: ConvGeometry, limit_bytes: int | None = None) -> int | None:
-    """Output planes per chunk that keep the filter gradient on the gemm kernel, or None when the whole
-    convolution already fits (no chunking). Raises ValueError when not even one plane fits."""
-    limit = ONEDNN_SCRATCHPAD_LIMIT_BYTES - CHUNK_HEADROOM_BYTES if limit_bytes is None else limit_bytes
-    if gemm_backward_weights_scratchpad_bytes(geometry) <= limit:
-        return None
-    out_depth = geometry.output_spatial[0]
-    # Fewest equal chunks whose slab fits: the scratchpad grows linearly with the slab depth.
-    for pieces in range(2, out_depth + 1):
-        chunk = math.ceil(out_depth / pieces)
-        if gemm_backward_weights_scratchpad_bytes(slab_geometry(geometry, chunk)) <= limit:
-            return chunk
-    raise ValueError(
-        f"a Conv3D on {geometry.spatial} x {geometry.in_channels} channels needs "
-        f"{gemm_backward_weights_scratchpad_bytes(slab_geometry(geometry, 1))} bytes of oneDNN scratchpad "
-        f"even for one output plane (limit {limit}): split it in height or width instead"
-    )
+from .conv_geometry import (  # noqa: F401 (re-exported: the layer's geometry lives there)
+    CHUNK_HEADROOM_BYTES,
+    ONEDNN_BOOKING_ALIGNMENT,
+    ONEDNN_SCRATCHPAD_LIMIT_BYTES,
+    ConvGeometry,
+    _halo,
+    gemm_backward_weights_fits,
+    gemm_backward_weights_limit,
+    gemm_backward_weights_scratchpad_bytes,
+    gemm_backward_weights_threads,
+    plan_depth_chunk,
+    slab_geometry,
+)
 
 
 def chunked_filter_gradient(inputs, output_gradient, kernel_shape, padding: str, chunk: int):

@@ -168,3 +168,24 @@ def test_chunked_layer_trains_under_a_distribution_strategy_like_conv3d():
     for chunked, plain in zip(models[0].get_weights(), models[1].get_weights()):
         np.testing.assert_allclose(chunked, plain, rtol=1e-5, atol=1e-6)
     assert not np.allclose(models[0].get_weights()[0], initial_kernel)  # the step did change the kernel
+
+
+def test_the_planner_prices_the_slabs_a_chunked_filter_gradient_copies():
+    from bigmem_train.conv_geometry import chunk_copy_bytes
+    from bigmem_train.memory import estimate
+    from tests.fixtures.common import recorded_layer_table
+
+    # The study's tile: up0_conv1 (32 -> 16 channels on 240x240x144, TensorFlow's D x H x W) runs as two
+    # chunks of 120 output planes; one chunk copies a 122-plane input slab (halo included) and pads its
+    # output gradient to 122 planes.
+    tile = ConvGeometry((240, 240, 144), 32, 16)
+    assert plan_depth_chunk(tile) == 120
+    assert chunk_copy_bytes(tile, 1) == 122 * 240 * 144 * (32 + 16) * 4
+    assert chunk_copy_bytes(tile, 3) == 3 * chunk_copy_bytes(tile, 1)
+    assert chunk_copy_bytes(ConvGeometry((240, 240, 144), 16, 16), 1) == 0  # not chunked
+    # In the backward walk, at that layer only.
+    table = recorded_layer_table("unet_depth4_filters16_float32")
+    rows = {row["name"]: row for row in table}
+    priced = {row["name"] for row in table if estimate._chunk_copies(row, rows, 1, (240, 240, 144))}
+    assert priced == {"up0_conv1"}
+    assert not any(estimate._chunk_copies(row, rows, 1, (128, 224, 224)) for row in table)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Config
+from ..conv_geometry import ConvGeometry, chunk_copy_bytes
 from ..host import read_cpu_flags
 from . import constants, layers
 from .constants import Calibration
@@ -181,6 +182,7 @@ def backward_live_bytes(
             else:
                 gradients[name] = gradient_bytes(producer)
         rebuilt = sum(internals.get(row.get("block", ""), {}).values()) if row.get("recomputed") else 0
+        adding += _chunk_copies(row, rows, batch, shape)
         peak = max(peak, sum(alive.values()) + sum(gradients.values()) + adding + rebuilt)
         gradients.pop(row["name"], None)
         for key in list(pending):
@@ -188,6 +190,25 @@ def backward_live_bytes(
             if not pending[key]:
                 del pending[key], alive[key]
     return kept_total, peak
+
+
+def _chunk_copies(row: dict[str, Any], rows: dict[str, dict[str, Any]], batch: int, shape) -> int:
+    """The input and output-gradient slabs a Conv3D whose filter gradient the model computes in depth
+    chunks (``conv.ChunkedConv3D``, chosen by the same ``conv_geometry.plan_depth_chunk`` when the model is
+    built) copies while its backward runs; 0 for every other layer."""
+    kernel = row.get("kernel_size") or []
+    if row["kind"] != "Conv3D" or math.prod(kernel or [1]) <= 1 or not row["inputs"]:
+        return 0
+    producer = rows[row["inputs"][0]]
+    geometry = ConvGeometry(
+        tuple(edge // divisor for edge, divisor in zip(shape, producer["divisor"])),
+        producer["channels"],
+        row["channels"],
+        tuple(kernel),
+        "same",
+        DTYPE_BYTES.get(row["kernel_dtype"], 4),
+    )
+    return chunk_copy_bytes(geometry, batch)
 
 
 def _input_pipeline_bytes(config: Config, batch: int, shape: tuple[int, int, int]) -> int:
