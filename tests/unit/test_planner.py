@@ -551,6 +551,16 @@ def test_levers_come_cheapest_first_and_each_really_fits(tables):
     with_amx = levers_to_fit(config, limit, CALIBRATION, cpu_flags=["avx2", "amx_bf16"])
     bf16 = [lever for lever in with_amx if lever.change == "runtime.precision: mixed_bfloat16"]
     assert all(lever.step_time_factor is None for lever in bf16)
+    # Its step-time factor is the one measured on AVX512_BF16 without AMX; on AMX it is not measured.
+    from bigmem_train.memory.levers import BF16_STEP_FACTOR_AVX512
+
+    def bf16_factor(flags):
+        found = levers_to_fit(config, full - 1, CALIBRATION, cpu_flags=flags)
+        (lever,) = [lever for lever in found if lever.change == "runtime.precision: mixed_bfloat16"]
+        return lever.step_time_factor
+
+    assert bf16_factor(["avx2", "avx512f", "avx512_bf16"]) == BF16_STEP_FACTOR_AVX512
+    assert bf16_factor(["avx2", "avx512_bf16", "amx_bf16"]) is None
     # A job that fits needs no lever.
     assert levers_to_fit(config, full, CALIBRATION, cpu_flags=["avx2"])[:1] == []
 
