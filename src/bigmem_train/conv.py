@@ -36,6 +36,7 @@ from .conv_geometry import (  # noqa: F401 (re-exported: the layer's geometry li
     ONEDNN_SCRATCHPAD_LIMIT_BYTES,
     ConvGeometry,
     _halo,
+    filter_gradient_runs_gemm,
     gemm_backward_weights_fits,
     gemm_backward_weights_limit,
     gemm_backward_weights_scratchpad_bytes,
@@ -177,6 +178,8 @@ def conv3d_for(input_shape, filters: int, kernel_size=3, padding: str = "same", 
         padding,
         2 if compute_dtype in ("bfloat16", "float16") else 4,
     )
+    if not filter_gradient_runs_gemm():
+        return layers.Conv3D(filters, kernel_size, padding=padding, **kwargs)  # no gemm limit on this CPU
     try:
         chunk = plan_depth_chunk(geometry)
     except ValueError:

@@ -6,7 +6,10 @@ no TensorFlow or Keras import: the planner prices a chunked layer's copies befor
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
+
+from .host import read_cpu_flags
 
 # gemm_convolution_utils.cpp: scratchpad_limit_by_absolute_value.
 ONEDNN_SCRATCHPAD_LIMIT_BYTES = 1 << 30
@@ -134,3 +137,20 @@ def chunk_copy_bytes(geometry: ConvGeometry, batch: int) -> int:
     inputs = math.prod(slab.spatial) * slab.in_channels
     output_gradient = math.prod(slab.output_spatial) * slab.out_channels
     return batch * (inputs + output_gradient) * geometry.dtype_bytes
+
+
+# The AVX-512 subset oneDNN's avx512_core kernels need.
+AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+def filter_gradient_runs_gemm(cpu_flags: list[str] | frozenset[str] | None = None) -> bool:
+    """Whether oneDNN runs a channels-last 3x3x3 Conv3D's filter gradient on its gemm kernel, the one with
+    the scratchpad limit, on this CPU (or one with ``cpu_flags``): on CPUs without AVX-512, or when
+    ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below it. With AVX-512 it runs ``jit:avx512_core``, which has no such
+    limit (6 MiB of scratchpad for the study's up0_conv1 whole), so chunking there would only cost the
+    slab copies: the study's tile peaked at 10.64 GiB chunked and 10.05 GiB whole, at the same step time."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
+    if cap and cap not in {"ALL", "DEFAULT"} and not cap.startswith(("AVX512", "AVX10")):
+        return True
+    flags = set(read_cpu_flags() if cpu_flags is None else cpu_flags)
+    return not AVX512_CORE_FLAGS <= flags

@@ -170,7 +170,7 @@ def test_chunked_layer_trains_under_a_distribution_strategy_like_conv3d():
     assert not np.allclose(models[0].get_weights()[0], initial_kernel)  # the step did change the kernel
 
 
-def test_the_planner_prices_the_slabs_a_chunked_filter_gradient_copies():
+def test_the_planner_prices_the_slabs_a_chunked_filter_gradient_copies(monkeypatch):
     from bigmem_train.conv_geometry import chunk_copy_bytes
     from bigmem_train.memory import estimate
     from tests.fixtures.common import recorded_layer_table
@@ -183,9 +183,30 @@ def test_the_planner_prices_the_slabs_a_chunked_filter_gradient_copies():
     assert chunk_copy_bytes(tile, 1) == 122 * 240 * 144 * (32 + 16) * 4
     assert chunk_copy_bytes(tile, 3) == 3 * chunk_copy_bytes(tile, 1)
     assert chunk_copy_bytes(ConvGeometry((240, 240, 144), 16, 16), 1) == 0  # not chunked
-    # In the backward walk, at that layer only.
+    # In the backward walk, at that layer only, on a CPU whose filter gradient runs gemm (and so is chunked).
+    monkeypatch.setattr(estimate, "filter_gradient_runs_gemm", lambda flags: True)
     table = recorded_layer_table("unet_depth4_filters16_float32")
     rows = {row["name"]: row for row in table}
     priced = {row["name"] for row in table if estimate._chunk_copies(row, rows, 1, (240, 240, 144))}
     assert priced == {"up0_conv1"}
     assert not any(estimate._chunk_copies(row, rows, 1, (128, 224, 224)) for row in table)
+    # With AVX-512 the model does not chunk (no gemm limit there), and nothing is priced.
+    monkeypatch.setattr(estimate, "filter_gradient_runs_gemm", lambda flags: False)
+    assert not any(estimate._chunk_copies(row, rows, 1, (240, 240, 144)) for row in table)
+
+
+def test_the_model_chunks_only_where_onednn_runs_the_gemm_filter_gradient(monkeypatch):
+    from bigmem_train import conv
+    from bigmem_train.conv_geometry import filter_gradient_runs_gemm
+
+    avx512 = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"]
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    assert filter_gradient_runs_gemm(["avx2", "fma"]) and not filter_gradient_runs_gemm(avx512)
+    for cap, gemm in (("AVX2", True), ("avx2_vnni", True), ("AVX512_CORE", False), ("ALL", False)):
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+        assert filter_gradient_runs_gemm(avx512) is gemm, cap
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    # The study's first full-resolution decoder convolution: chunked on a gemm CPU, whole with AVX-512.
+    for gemm, kind in ((True, "ChunkedConv3D"), (False, "Conv3D")):
+        monkeypatch.setattr(conv, "filter_gradient_runs_gemm", lambda gemm=gemm: gemm)
+        assert type(conv.conv3d_for((1, 240, 240, 144, 32), 16)).__name__ == kind

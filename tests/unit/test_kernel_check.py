@@ -4,15 +4,17 @@ from bigmem_train.config import Config
 from bigmem_train.kernel_check import GEMM_FAMILY, _parse_create, check_model, warn_reference_kernels
 
 
-def test_study_tile_chunks_exactly_the_layer_past_the_limit(capsys):
+def test_study_tile_chunks_exactly_the_layer_past_the_limit(capsys, monkeypatch):
     """At the study's tile only up0_conv1 (32 -> 16 at 240x240x144) is past oneDNN's gemm limit; the kit's
     U-Net makes it a ChunkedConv3D, so on a gemm CPU nothing is expected on the reference kernel, while the
     same U-Net with plain Keras layers (the peer) is flagged, by layer name, with the slowdown."""
     import keras
 
+    from bigmem_train import conv
     from bigmem_train.conv import ChunkedConv3D
     from bigmem_train.model import build_unet
 
+    monkeypatch.setattr(conv, "filter_gradient_runs_gemm", lambda: True)  # a gemm CPU (no AVX-512)
     config = Config()
     model = build_unet(config.model, (240, 240, 144), 1)
     chunked = [layer.name for layer in model.layers if isinstance(layer, ChunkedConv3D)]

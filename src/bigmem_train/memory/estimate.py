@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Config
-from ..conv_geometry import ConvGeometry, chunk_copy_bytes
+from ..conv_geometry import ConvGeometry, chunk_copy_bytes, filter_gradient_runs_gemm
 from ..host import read_cpu_flags
 from . import constants, layers
 from .constants import Calibration
@@ -199,6 +199,8 @@ def _chunk_copies(row: dict[str, Any], rows: dict[str, dict[str, Any]], batch: i
     kernel = row.get("kernel_size") or []
     if row["kind"] != "Conv3D" or math.prod(kernel or [1]) <= 1 or not row["inputs"]:
         return 0
+    if not filter_gradient_runs_gemm(_this_cpu_flags()):
+        return 0  # the model chunks only where oneDNN's filter gradient is its gemm kernel
     producer = rows[row["inputs"][0]]
     geometry = ConvGeometry(
         tuple(edge // divisor for edge, divisor in zip(shape, producer["divisor"])),
