@@ -148,7 +148,7 @@ def filter_gradient_runs_gemm(cpu_flags: list[str] | frozenset[str] | None = Non
     the scratchpad limit, on this CPU (or one with ``cpu_flags``): on CPUs without AVX-512, or when
     ``ONEDNN_MAX_CPU_ISA`` caps oneDNN below it. With AVX-512 it runs ``jit:avx512_core``, which has no such
     limit (6 MiB of scratchpad for the study's up0_conv1 whole), so chunking there would only cost the
-    slab copies: the study's tile peaked at 10.64 GiB chunked and 10.05 GiB whole, at the same step time."""
+    slab copies: the study's tile peaked at 10.64 GiB chunked and 9.98-10.05 GiB whole, at the same step time."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if cap and cap not in {"ALL", "DEFAULT"} and not cap.startswith(("AVX512", "AVX10")):
         return True
