@@ -251,6 +251,12 @@ class Config(_Section):
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     output: OutputConfig = Field(default_factory=OutputConfig)
 
+    @property
+    def runs_ops_inline(self) -> bool:
+        """Whether TensorFlow runs this job's ops one at a time in the calling thread (runtime.inline_ops):
+        a single-host job; a multi-worker one keeps its inter-op pool, which its collective ops need."""
+        return self.runtime.inline_ops and self.training.strategy == "single"
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
         divisor = 2**self.model.depth

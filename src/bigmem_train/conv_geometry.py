@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from .host import read_cpu_flags
+from .host import AVX512_CORE_FLAGS, this_cpu_flags
 
 # gemm_convolution_utils.cpp: scratchpad_limit_by_absolute_value.
 ONEDNN_SCRATCHPAD_LIMIT_BYTES = 1 << 30
@@ -139,10 +139,6 @@ def chunk_copy_bytes(geometry: ConvGeometry, batch: int) -> int:
     return batch * (inputs + output_gradient) * geometry.dtype_bytes
 
 
-# The AVX-512 subset oneDNN's avx512_core kernels need.
-AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
-
-
 def filter_gradient_runs_gemm(cpu_flags: list[str] | frozenset[str] | None = None) -> bool:
     """Whether oneDNN runs a channels-last 3x3x3 Conv3D's filter gradient on its gemm kernel, the one with
     the scratchpad limit, on this CPU (or one with ``cpu_flags``): on CPUs without AVX-512, or when
@@ -152,5 +148,5 @@ def filter_gradient_runs_gemm(cpu_flags: list[str] | frozenset[str] | None = Non
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").strip().upper()
     if cap and cap not in {"ALL", "DEFAULT"} and not cap.startswith(("AVX512", "AVX10")):
         return True
-    flags = set(read_cpu_flags() if cpu_flags is None else cpu_flags)
+    flags = this_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
     return not AVX512_CORE_FLAGS <= flags

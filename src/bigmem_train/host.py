@@ -5,6 +5,7 @@ Every reader takes a ``root`` so tests can point it at a recorded sysfs/procfs l
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import re
@@ -370,6 +371,16 @@ def read_cpu_flags(root: Path = Path("/")) -> list[str]:
     return []
 
 
+# The AVX-512 subset oneDNN's avx512_core kernels need.
+AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+
+
+@functools.cache
+def this_cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags, read once."""
+    return frozenset(read_cpu_flags())
+
+
 def read_cpu_model(root: Path = Path("/")) -> str:
     for line in _read(root / "proc/cpuinfo").splitlines():
         if line.startswith("model name"):
@@ -382,7 +393,7 @@ def cpu_isa(flags: list[str]) -> str:
     and their buffers: avx512+amx, avx512+bf16 (native bf16 dot products, no AMX), avx512, avx2 or
     "other"."""
     present = set(flags)
-    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= present:
+    if AVX512_CORE_FLAGS <= present:
         if "amx_tile" in present:
             return "avx512+amx"
         return "avx512+bf16" if "avx512_bf16" in present else "avx512"

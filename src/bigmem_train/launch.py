@@ -99,7 +99,7 @@ def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = Non
             intra = max(1, round(host.physical_cores * share))
         else:
             intra = host.physical_cores
-    if config.runtime.inline_ops and config.training.strategy == "single":
+    if config.runs_ops_inline:
         return intra, INLINE_OPS
     inter = config.runtime.inter_op_threads or 1
     return intra, inter

@@ -49,9 +49,8 @@ def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
     assert metrics["peak_rss_bytes"] > 200 * 2**20
     assert metrics["voxels_per_second"] > 0 and metrics["median_step_seconds"] > 0
     assert metrics["onednn_enabled"] in (True, False)
-    assert (
-        metrics["inter_op_threads"] == -1
-    )  # runtime.inline_ops: TensorFlow ran every op in the calling thread
+    # runtime.inline_ops: TensorFlow ran every op in the calling thread.
+    assert metrics["inter_op_threads"] == -1
     # Every run checks the planner: the whole run's measured peak within footprint.tolerance of the plan.
     verdict = json.loads((run_dir / "verdict.json").read_text())
     plan_check = next(criterion for criterion in verdict["criteria"] if criterion["name"] == "plan")

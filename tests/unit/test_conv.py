@@ -184,14 +184,14 @@ def test_the_planner_prices_the_slabs_a_chunked_filter_gradient_copies(monkeypat
     assert chunk_copy_bytes(tile, 3) == 3 * chunk_copy_bytes(tile, 1)
     assert chunk_copy_bytes(ConvGeometry((240, 240, 144), 16, 16), 1) == 0  # not chunked
     # In the backward walk, at that layer only, on a CPU whose filter gradient runs gemm (and so is chunked).
-    monkeypatch.setattr(estimate, "filter_gradient_runs_gemm", lambda flags: True)
+    monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: True)
     table = recorded_layer_table("unet_depth4_filters16_float32")
     rows = {row["name"]: row for row in table}
     priced = {row["name"] for row in table if estimate._chunk_copies(row, rows, 1, (240, 240, 144))}
     assert priced == {"up0_conv1"}
     assert not any(estimate._chunk_copies(row, rows, 1, (128, 224, 224)) for row in table)
     # With AVX-512 the model does not chunk (no gemm limit there), and nothing is priced.
-    monkeypatch.setattr(estimate, "filter_gradient_runs_gemm", lambda flags: False)
+    monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: False)
     assert not any(estimate._chunk_copies(row, rows, 1, (240, 240, 144)) for row in table)
 
 

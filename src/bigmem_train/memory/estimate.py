@@ -9,7 +9,6 @@ find the most activations and activation gradients alive at once. The machine co
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -17,7 +16,6 @@ from typing import Any
 
 from ..config import Config
 from ..conv_geometry import ConvGeometry, chunk_copy_bytes, filter_gradient_runs_gemm
-from ..host import read_cpu_flags
 from . import constants, layers
 from .constants import Calibration
 from .layers import expand_recomputed_blocks
@@ -199,7 +197,7 @@ def _chunk_copies(row: dict[str, Any], rows: dict[str, dict[str, Any]], batch: i
     kernel = row.get("kernel_size") or []
     if row["kind"] != "Conv3D" or math.prod(kernel or [1]) <= 1 or not row["inputs"]:
         return 0
-    if not filter_gradient_runs_gemm(_this_cpu_flags()):
+    if not onednn_uses_gemm_backward_weights():
         return 0  # the model chunks only where oneDNN's filter gradient is its gemm kernel
     producer = rows[row["inputs"][0]]
     geometry = ConvGeometry(
@@ -251,19 +249,14 @@ def workspace_reference_bytes(table: list[dict[str, Any]], batch: int, shape: tu
 # kernel (jit:avx512_core; ONEDNN_VERBOSE shows it), whose scratchpad is a few MiB at any size (measured:
 # 5-6 MiB for convolutions whose gemm scratchpad would be 33-329 MiB, benchmarks/planner_conv_scratchpad.py
 # on a Xeon with AVX-512 and AMX). Without them (AVX2 only) it runs the gemm kernel below.
-AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
-
-
-@functools.cache
-def _this_cpu_flags() -> frozenset[str]:
-    return frozenset(read_cpu_flags())
 
 
 def onednn_uses_gemm_backward_weights(cpu_flags: frozenset[str] | None = None) -> bool:
     """Whether oneDNN's Conv3D filter gradient runs its gemm kernel, with the im2col scratchpad
-    (``onednn_scratchpad_bytes``), on this CPU (or one with ``cpu_flags``): on CPUs without AVX-512."""
-    flags = _this_cpu_flags() if cpu_flags is None else cpu_flags
-    return not AVX512_CORE_FLAGS <= flags
+    (``onednn_scratchpad_bytes``) and the limit the model chunks under, on this CPU (or one with
+    ``cpu_flags``): on CPUs without AVX-512 or with oneDNN capped below it. The one answer the model
+    (``conv.conv3d_for``) and the planner share: ``conv_geometry.filter_gradient_runs_gemm``."""
+    return filter_gradient_runs_gemm(cpu_flags)
 
 
 # oneDNN's gemm-based backward-weights convolution (x64:gemm:jit, chosen for every 3x3x3 Conv3D with
@@ -316,7 +309,7 @@ def onednn_scratchpad_bytes(
 def backward_concurrency(config: Config) -> int:
     """Column buffers alive at once: 1 with one inter-op thread (train.choose_threads' default); with more,
     a convolution's input-gradient and filter-gradient kernels run side by side, each with its own."""
-    if config.runtime.inline_ops and config.training.strategy == "single":
+    if config.runs_ops_inline:
         return 1
     return min(2, config.runtime.inter_op_threads or 1)
 
