@@ -114,10 +114,12 @@ class ChunkedConv3D(layers.Conv3D):
     """``keras.layers.Conv3D`` (same weights, same outputs, same gradients) whose filter gradient is
     computed in depth chunks when the whole convolution would push oneDNN's gemm backward-weights kernel
     over its scratchpad limit and onto the reference kernel. Below the limit it runs exactly the plain
-    layer's ops. Stride 1, no dilation, one group, channels last (what the U-Net uses).
+    layer's ops, and so it does on CPUs where oneDNN's filter gradient has no such limit (AVX-512:
+    ``conv_geometry.filter_gradient_runs_gemm``), as ``conv3d_for`` builds plain layers there. Stride 1,
+    no dilation, one group, channels last (what the U-Net uses).
 
-    ``scratchpad_limit_bytes``: the bytes a chunk may book (default: oneDNN's 1 GiB less headroom);
-    tests lower it to chunk small volumes.
+    ``scratchpad_limit_bytes``: the bytes a chunk may book (default: oneDNN's 1 GiB less headroom, on CPUs
+    that run the gemm kernel); tests set it to chunk small volumes on any CPU.
     """
 
     def __init__(self, *args, scratchpad_limit_bytes: int | None = None, **kwargs):
@@ -149,6 +151,8 @@ class ChunkedConv3D(layers.Conv3D):
         """Output planes per filter-gradient chunk at ``input_shape``; None: unchunked."""
         if any(edge is None for edge in input_shape[1:]):
             return None
+        if self.scratchpad_limit_bytes is None and not filter_gradient_runs_gemm():
+            return None  # oneDNN's filter gradient has no gemm scratchpad limit on this CPU
         return plan_depth_chunk(self.geometry(input_shape), self.scratchpad_limit_bytes)
 
     def convolution_op(self, inputs, kernel):

@@ -210,3 +210,9 @@ def test_the_model_chunks_only_where_onednn_runs_the_gemm_filter_gradient(monkey
     for gemm, kind in ((True, "ChunkedConv3D"), (False, "Conv3D")):
         monkeypatch.setattr(conv, "filter_gradient_runs_gemm", lambda gemm=gemm: gemm)
         assert type(conv.conv3d_for((1, 240, 240, 144, 32), 16)).__name__ == kind
+        # A recomputed block builds ChunkedConv3D before it knows its input: the layer decides the same.
+        layer = conv.ChunkedConv3D(16, 3, padding="same")
+        assert layer.depth_chunk((1, 240, 240, 144, 32)) == (120 if gemm else None)
+        # A limit set by hand (the tests' small volumes) chunks on any CPU.
+        small = conv.ChunkedConv3D(4, 3, padding="same", scratchpad_limit_bytes=320_000)
+        assert small.depth_chunk((1, 16, 16, 16, 8)) is not None
