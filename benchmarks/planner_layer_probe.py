@@ -58,7 +58,8 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
     from bigmem_train.memory.calibrate import status_bytes, tcmalloc_stats
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    # As a single-host run does: every op inline in the calling thread (launch.INLINE_OPS).
+    tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("PROBE_INTER", "-1")))
 
     def build(kind: str) -> keras.Model:
         x = keras.Input((*shape, channels))

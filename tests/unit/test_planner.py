@@ -299,6 +299,39 @@ def test_calibration_fit_recovers_known_constants(tables):
     assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
     assert fitted.activation_factor == pytest.approx(1.1, abs=1e-3)
     assert fitted.workspace_factor == pytest.approx(0.92, abs=1e-3)
+    # No recomputed job measured: nothing to fit, recomputed plans use the activation factor.
+    assert fitted.recompute_factor is None
+
+
+def test_recomputed_jobs_get_their_own_factor(tables):
+    """Rebuilding blocks strands more of the allocator's pages per live byte: recomputed calibration jobs
+    fit their own factor, and only recomputed plans use it."""
+    truth = Calibration(
+        runtime_baseline_bytes=650 * 1024**2,
+        activation_factor=1.03,
+        recompute_factor=1.21,
+        workspace_factor=0.0,
+    )
+    base = load_config(None, {})
+    jobs = FIT_JOBS + [
+        {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
+        {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
+    ]
+    samples = []
+    for job in jobs:
+        config = calibrate.job_config(base, **job)
+        samples.append((config, sum(estimate.estimate(config, truth).values())))
+    fitted = calibrate.fit_constants(samples)
+    assert fitted.activation_factor == pytest.approx(1.03, abs=1e-3)
+    assert fitted.recompute_factor == pytest.approx(1.21, abs=1e-3)
+    plain = calibrate.job_config(base, **FIT_JOBS[2])
+    recomputed = calibrate.job_config(base, **jobs[-1])
+    assert estimate.estimate(plain, fitted) == estimate.estimate(
+        plain, Calibration(**{**vars(fitted), "recompute_factor": None})
+    )
+    assert sum(estimate.estimate(recomputed, fitted).values()) > sum(
+        estimate.estimate(recomputed, Calibration(**{**vars(fitted), "recompute_factor": None})).values()
+    )
 
 
 def test_the_onednn_scratchpad_counts_only_where_onednn_runs_its_gemm_filter_gradient(tables, monkeypatch):
@@ -575,3 +608,26 @@ def test_levers_auto_keeps_the_studys_batch_and_tile_under_a_target(tables):
     assert plan.peak_bytes <= 120 * GIB
     off = plan_job(study(**{"footprint.target": "120GiB", "footprint.levers": "off"}), None, CALIBRATION)
     assert off.lever is None and not off.config.model.recompute and off.config.training.batch_size < 16
+
+
+def test_a_rebuilt_block_holds_copies_of_what_crosses_its_boundary():
+    """tf.recompute_grad reruns a block on ``input + 0`` copies of its inputs and computes its output
+    again: the rebuild holds those copies where the block's layers keep them, next to its internals."""
+    blocks = layers.expand_recomputed_blocks(
+        recorded_table("unet_depth4_filters16_float32_recompute"), batch_norm=True
+    )
+    kept = estimate.kept_tensors(blocks, 1, (32, 32, 32))
+    internals = estimate._recomputed_internals(blocks, kept)
+    rows = {row["name"]: row for row in blocks}
+    rebuilt = estimate._rebuilt_tensors(rows, kept, internals)["up0"]
+    # Its internals, each read by the same layer as in a plain run.
+    assert rebuilt["up0_concat"] == (32**3 * 32 * 4, {"up0_conv1"})
+    # The output computed again (read by the block's last ReLU) while the original stays kept.
+    assert rebuilt["up0@up0"] == (32**3 * 16 * 4, {"up0"})
+    assert "up0" in kept.sizes
+    # A copy of the upsampling's input, which the transposed convolution keeps for its filter gradient.
+    assert rebuilt["up1@up0"] == (16**3 * 32 * 4, {"up0_upsample"})
+    # The skip only feeds the concatenation, which keeps nothing: its copy is gone before backward.
+    assert not any(key.startswith("down0") for key in rebuilt)
+    # Every rebuilt tensor is freed within the block.
+    assert all(rows[reader]["block"] == "up0" for _, readers in rebuilt.values() for reader in readers)

@@ -62,6 +62,12 @@ CALIBRATION_JOBS: list[dict[str, Any]] = [
     # One job at the scale the planner is for (9 GiB, the study's architecture): fitted on jobs of up to
     # 3.3 GiB the activation factor came out so low that the study's tile was planned 12 % under its peak.
     {"shape": (224, 224, 128), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
+    # Gradient recomputation (model.recompute), for its own factor: rebuilding each block in backward
+    # strands more of the allocator's pages than a plain run (3.3 to 9 GiB planned).
+    {"shape": (128, 128, 96), "batch": 2, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
+    {"shape": (176, 176, 112), "batch": 2, "filters": 8, "depth": 4, "channels": 4, "recompute": True},
+    {"shape": (224, 208, 128), "batch": 1, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
+    {"shape": (208, 208, 128), "batch": 2, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
 ]
 
 
@@ -209,7 +215,8 @@ def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
 
 def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     """Least squares of measured - (weights, gradients, slots, input, oneDNN scratchpad) = baseline +
-    activation factor x (tensors alive at the backward peak) + parameter copies x (trainable parameters x
+    activation factor x (tensors alive at the backward peak; recompute factor for jobs with gradient
+    recomputation) + parameter copies x (trainable parameters x
     4 B) + bytes per convolution x convolution layers [+ workspace factor x one sample's largest patch
     matrix, with TensorFlow's own Conv3D kernels only].
 
@@ -220,6 +227,7 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     def features(
         config: Config,
         activation: float = 0.0,
+        recompute: float = 0.0,
         workspace: float = 0.0,
         copies: float = 0.0,
         per_convolution: int = 0,
@@ -227,25 +235,28 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
         calibration = Calibration(
             runtime_baseline_bytes=0,
             activation_factor=activation,
+            recompute_factor=recompute,
             workspace_factor=workspace,
             parameter_copies=copies,
             per_convolution_bytes=per_convolution,
         )
         return sum(estimate(config, calibration).values())
 
-    table, targets = [], []
+    table, targets, recomputed = [], [], []
     for config, measured in samples:
         rest = features(config)
-        table.append(
-            [
-                1.0,
-                features(config, activation=1.0) - rest,
-                features(config, workspace=1.0) - rest,
-                features(config, copies=1.0) - rest,
-                (features(config, per_convolution=2**20) - rest),
-            ]
-        )
-        targets.append(measured - rest)
+        row = [
+            1.0,
+            features(config, activation=1.0) - rest,
+            features(config, workspace=1.0) - rest,
+            features(config, copies=1.0) - rest,
+            (features(config, per_convolution=2**20) - rest),
+        ]
+        if config.model.recompute:
+            recomputed.append((row, features(config, recompute=1.0) - rest, measured - rest))
+        else:
+            table.append(row)
+            targets.append(measured - rest)
     # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
     measurable = [i for i in (1, 2, 3, 4) if any(row[i] for row in table)]
     free = [0] + measurable
@@ -256,12 +267,22 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
         if not negative:
             break
         free.remove(min(negative, key=lambda i: values[i]))
+    # The recompute factor on the recomputed jobs alone, the other constants as the plain jobs fixed them:
+    # it is the one term those jobs add, so it cannot pull the baseline or the per-parameter terms.
+    recompute_factor = None
+    if recomputed:
+        fixed = [sum(values.get(i, 0.0) * row[i] for i in range(5)) for row, _, _ in recomputed]
+        live = [column for _, column, _ in recomputed]
+        rests = [target - known for (_, _, target), known in zip(recomputed, fixed)]
+        recompute_factor = round(sum(a * b for a, b in zip(live, rests)) / sum(a * a for a in live), 4)
     # Under oneDNN the column buffer cannot be measured: keep the built-in factor (about one sample's
     # patch matrix) for plans of jobs that switch oneDNN off, rather than a 0 that was never measured.
     workspace = round(values.get(2, 0.0), 4) if 2 in measurable else Calibration.workspace_factor
     return Calibration(
         runtime_baseline_bytes=int(values[0]),
         activation_factor=round(values.get(1, 0.0), 4),
+        # Without recomputed jobs there is nothing to fit: such plans use the activation factor.
+        recompute_factor=recompute_factor,
         workspace_factor=workspace,
         parameter_copies=round(values.get(3, 0.0), 3),
         per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
@@ -292,6 +313,7 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "model": MODEL_VERSION,
         "runtime_baseline_bytes": calibration.runtime_baseline_bytes,
         "activation_factor": calibration.activation_factor,
+        "recompute_factor": calibration.recompute_factor,
         "workspace_factor": calibration.workspace_factor,
         "parameter_copies": calibration.parameter_copies,
         "per_convolution_bytes": calibration.per_convolution_bytes,

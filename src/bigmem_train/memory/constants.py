@@ -32,6 +32,11 @@ class Calibration:
     # the activation gradients alive with them, ``backward_live_bytes``): 1 would be a perfect allocator
     # and no op temporaries.
     activation_factor: float = 1.0
+    # The same for jobs with gradient recomputation (model.recompute), or None: as ``activation_factor``.
+    # Fitted on recomputed calibration jobs: rebuilding each block during backward allocates and frees
+    # full-size tensors again and again, and the allocator's page heap strands more of them than a plain
+    # run does (TensorFlow's own accounting vs RSS, docs/planner.md).
+    recompute_factor: float | None = None
     # Column buffers of TensorFlow's own (Eigen) Conv3D backward kernels (runtime.onednn false), as a
     # multiple of the largest convolution's patch matrix for one sample (``workspace_reference_bytes``):
     # about 1, those kernels build that matrix a sample or two at a time. oneDNN's build none: a
@@ -117,8 +122,10 @@ PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
 # factor and no activation factor, 2 the activation factor, 3 also counts oneDNN's backward-weights
 # scratchpad (``onednn_scratchpad_bytes``), which model 2's activation factor had absorbed; 4 is fitted on
 # whole runs (``calibrate.measure_run``: reader, validation, checkpoints, TensorBoard, sampler) instead of a
-# bare ``model.fit`` on in-memory data, so its baseline holds what a run adds to the training step.
-MODEL_VERSION = 4
+# bare ``model.fit`` on in-memory data, so its baseline holds what a run adds to the training step; 5 counts
+# batch normalization's backward transients (``estimate.BATCH_NORM_BACKWARD_TRANSIENTS``), which model 4's
+# activation factor had absorbed (1.089 -> 1.023 on the same runs), and what a recomputed block rebuilds.
+MODEL_VERSION = 5
 
 
 def _model_version(data: dict[str, Any]) -> int:
@@ -154,6 +161,9 @@ def load_calibration() -> Calibration:
         return Calibration(
             runtime_baseline_bytes=int(data["runtime_baseline_bytes"]),
             activation_factor=float(data["activation_factor"]),
+            recompute_factor=(
+                None if data.get("recompute_factor") is None else float(data["recompute_factor"])
+            ),
             workspace_factor=float(data["workspace_factor"]),
             parameter_copies=float(data.get("parameter_copies", 0.0)),
             per_convolution_bytes=int(data.get("per_convolution_bytes", 0)),

@@ -38,6 +38,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # the cast label, clip(y_pred), 1 - clip, log(clip), log(1 - clip), 1 - label, label * y_pred.
 LOSS_KEPT_TENSORS = 7
 
+# Float32 tensors of its input's size that Keras 3's unfused batch normalization holds in its backward on
+# top of the gradients of its output and input: its input gradient has three terms (through the scaled
+# input, the mean and the mean of squares of the batch moments), each a full-size tensor, summed by one
+# AddN. Measured (benchmarks/planner_layer_probe.py --layers bn,conv,relu, 128^3 x 16 channels, ops
+# inline): one layer's forward + backward rises by 4 tensors of its input's size at batch 1 and 4-5 at
+# batch 2, where the output gradient + input gradient (+ the output, freed after the loss) are 2-3.
+BATCH_NORM_BACKWARD_TRANSIENTS = 2
+
 # Adam keeps two float32 slots (first and second moment) per trainable weight.
 ADAM_SLOTS = 2
 
@@ -159,6 +167,7 @@ def backward_live_bytes(
     kept.owner["loss"] = _block_of(output["name"])
     internals = _recomputed_internals(table, kept) if recompute else {}
     kept_total = sum(kept.sizes.values())
+    rebuilds = _rebuilt_tensors(rows, kept, internals) if recompute else {}
 
     def gradient_bytes(row: dict[str, Any]) -> int:
         return _elements(row, batch, shape) * DTYPE_BYTES.get(row["dtype"], 4)
@@ -170,6 +179,10 @@ def backward_live_bytes(
     for row in reversed(table):
         if row["kind"] == "InputLayer":
             continue
+        # A recomputed block's backward starts by running its forward again: what that forward keeps
+        # is alive from here until its own last reader.
+        for key, (size, readers) in rebuilds.pop(row.get("block", ""), {}).items():
+            alive[key], pending[key] = size, set(readers)
         adding = 0
         for name in row["inputs"]:
             producer = rows[name]
@@ -179,15 +192,49 @@ def backward_live_bytes(
                 adding += gradient_bytes(producer)
             else:
                 gradients[name] = gradient_bytes(producer)
-        rebuilt = sum(internals.get(row.get("block", ""), {}).values()) if row.get("recomputed") else 0
         adding += _chunk_copies(row, rows, batch, shape)
-        peak = max(peak, sum(alive.values()) + sum(gradients.values()) + adding + rebuilt)
+        if row["kind"] == "BatchNormalization":
+            adding += BATCH_NORM_BACKWARD_TRANSIENTS * _elements(rows[row["inputs"][0]], batch, shape) * 4
+        peak = max(peak, sum(alive.values()) + sum(gradients.values()) + adding)
         gradients.pop(row["name"], None)
         for key in list(pending):
             pending[key].discard(row["name"])
             if not pending[key]:
                 del pending[key], alive[key]
     return kept_total, peak
+
+
+def _rebuilt_tensors(
+    rows: dict[str, dict[str, Any]], kept: KeptTensors, internals: dict[str, dict[str, int]]
+) -> dict[str, dict[str, tuple[int, set[str]]]]:
+    """Per recomputed block, what ``tf.recompute_grad`` holds while the block runs backward: key ->
+    (bytes, the block's layers whose backward reads it).
+
+    The block's forward runs again on copies of its inputs (in graph mode each input becomes
+    ``input + 0``, computed from the output gradient so the rebuild waits for it: a new tensor of the
+    input's size), and its gradient tape keeps what the same layers keep in a plain run: the block's
+    internals again, and new copies of the tensors that cross its boundary (the copied inputs where a
+    layer of the block keeps them, the block's output recomputed). The originals stay kept for the
+    layers outside the block that read them. Each is freed after the last of the block's layers that
+    reads it, as in a plain run.
+    """
+
+    def block_of(name: str) -> str | None:
+        row = rows.get(name, {})
+        return row.get("block") if row.get("recomputed") else None
+
+    rebuilds: dict[str, dict[str, tuple[int, set[str]]]] = {}
+    for block, tensors in internals.items():
+        for key, size in tensors.items():
+            rebuilds.setdefault(block, {})[key] = (size, set(kept.readers[key]))
+    for key, size in kept.sizes.items():
+        by_block: dict[str, set[str]] = {}
+        for reader in kept.readers.get(key, ()):
+            if block_of(reader):
+                by_block.setdefault(block_of(reader), set()).add(reader)
+        for block, readers in by_block.items():
+            rebuilds.setdefault(block, {})[f"{key}@{block}"] = (size, readers)
+    return rebuilds
 
 
 def _chunk_copies(row: dict[str, Any], rows: dict[str, dict[str, Any]], batch: int, shape) -> int:
@@ -337,6 +384,8 @@ def breakdown_for(
     optimizer_slots = trainable * 4 * ADAM_SLOTS
     kept, live = backward_live_bytes(table, batch, shape, config.model.recompute)
     factor = calibration.activation_factor
+    if config.model.recompute and calibration.recompute_factor is not None:
+        factor = calibration.recompute_factor
     activations = int(factor * kept)
     # The transient part of the peak: activation gradients (and a rebuilt block) alive with the kept
     # tensors at the backward peak; with TensorFlow's own Conv3D kernels their per-sample column buffer,
