@@ -65,6 +65,8 @@ CHOSEN = chosen_settings()
 LEVERS = {
     "threads: TF defaults (intra=inter=cores)": {"intra": 0, "inter": 0},
     "threads: intra 1, inter 1": {"intra": 1, "inter": 1},
+    # One thread in all, as the kit runs a single host (ops inline in the calling thread): 1 vs 2 threads.
+    "threads: intra 1, ops inline": {"intra": 1, "inter": None},
     "pinning: numactl --physcpubind=all --membind=0": {"pin": True},
     "allocator: glibc": {"allocator": "glibc"},
     "allocator: jemalloc": {"allocator": "jemalloc"},
