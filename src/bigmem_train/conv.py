@@ -109,6 +109,15 @@ def chunked_conv3d(inputs, kernel, padding: str, chunk: int | None):
     return convolve(inputs, kernel)
 
 
+def _depth_chunk(geometry: ConvGeometry, limit_bytes: int | None = None) -> int | None:
+    """Output planes per filter-gradient chunk for ``geometry``, or None (unchunked): the one decision
+    ``ChunkedConv3D`` and ``conv3d_for`` share. With oneDNN's own limit (``limit_bytes`` None) it chunks
+    only where oneDNN runs the gemm filter gradient; a limit set by hand chunks on any CPU."""
+    if limit_bytes is None and not filter_gradient_runs_gemm():
+        return None  # oneDNN's filter gradient has no gemm scratchpad limit on this CPU
+    return plan_depth_chunk(geometry, limit_bytes)
+
+
 @keras.saving.register_keras_serializable(package="bigmem_train")
 class ChunkedConv3D(layers.Conv3D):
     """``keras.layers.Conv3D`` (same weights, same outputs, same gradients) whose filter gradient is
@@ -151,9 +160,7 @@ class ChunkedConv3D(layers.Conv3D):
         """Output planes per filter-gradient chunk at ``input_shape``; None: unchunked."""
         if any(edge is None for edge in input_shape[1:]):
             return None
-        if self.scratchpad_limit_bytes is None and not filter_gradient_runs_gemm():
-            return None  # oneDNN's filter gradient has no gemm scratchpad limit on this CPU
-        return plan_depth_chunk(self.geometry(input_shape), self.scratchpad_limit_bytes)
+        return _depth_chunk(self.geometry(input_shape), self.scratchpad_limit_bytes)
 
     def convolution_op(self, inputs, kernel):
         chunk = self.depth_chunk(tuple(inputs.shape))
@@ -182,10 +189,8 @@ def conv3d_for(input_shape, filters: int, kernel_size=3, padding: str = "same", 
         padding,
         2 if compute_dtype in ("bfloat16", "float16") else 4,
     )
-    if not filter_gradient_runs_gemm():
-        return layers.Conv3D(filters, kernel_size, padding=padding, **kwargs)  # no gemm limit on this CPU
     try:
-        chunk = plan_depth_chunk(geometry)
+        chunk = _depth_chunk(geometry)
     except ValueError:
         chunk = None  # not even one plane fits: kernel_check warns about this layer
     if chunk is None:
