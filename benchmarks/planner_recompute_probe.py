@@ -136,26 +136,28 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|")
     profiled = {key: value for key, value in environment.items() if key != "TF_ONEDNN_USE_SYSTEM_ALLOCATOR"}
     for mode in ("plain", "recomputed"):
-        measured = {}
-        for env in (profiled, environment):
-            result = subprocess.run(
-                [sys.executable, __file__, *sys.argv[1:], "--child", mode],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=True,
+        events, resident = (
+            json.loads(
+                subprocess.run(
+                    [sys.executable, __file__, *sys.argv[1:], "--child", mode],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                )
+                .stdout.strip()
+                .splitlines()[-1]
             )
-            measured[env is environment] = json.loads(result.stdout.strip().splitlines()[-1])
-        live = measured[False]["tensorflow_live_peak_bytes"]
-        rise = measured[True]["resident_rise_bytes"]
-        measured = measured[False]
+            for env in (profiled, environment)
+        )
+        live, rise = events["tensorflow_live_peak_bytes"], resident["resident_rise_bytes"]
         walked = walk(shape, args.batch, args.filters, mode == "recomputed")
         print(
             f"| {'x'.join(map(str, shape))} b{args.batch} f{args.filters}, {mode} | {live / 1e6:,.0f} MB "
             f"| {walked / 1e6:,.0f} MB | {rise / 1e6:,.0f} MB | {rise / live:.2f} |",
             flush=True,
         )
-        for op, size in measured["largest_at_peak"]:
+        for op, size in events["largest_at_peak"]:
             print(f"    {size / 1e6:9.1f} MB  {op}", file=sys.stderr)
     return 0
 

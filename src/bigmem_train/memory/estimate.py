@@ -230,8 +230,9 @@ def _rebuilt_tensors(
     for key, size in kept.sizes.items():
         by_block: dict[str, set[str]] = {}
         for reader in kept.readers.get(key, ()):
-            if block_of(reader):
-                by_block.setdefault(block_of(reader), set()).add(reader)
+            block = block_of(reader)
+            if block:
+                by_block.setdefault(block, set()).add(reader)
         for block, readers in by_block.items():
             rebuilds.setdefault(block, {})[f"{key}@{block}"] = (size, readers)
     return rebuilds
