@@ -3,9 +3,10 @@ limit in force, anonymous huge pages and per-NUMA-node resident memory.
 
 Two kinds of reads, so the sampler's own cost stays far below 1 % of one core at any footprint:
 
-* cheap counters every ``interval`` (default 0.25 s): ``/proc/self/statm`` (RSS from the kernel's per-process
-  counters), the cgroup's ``memory.current`` / ``memory.usage_in_bytes`` and, without a cgroup limit,
-  ``/proc/meminfo``'s MemAvailable. Each is a handful of microseconds whatever the footprint.
+* cheap counters every ``interval`` (default 0.25 s): ``/proc/self/statm`` (RSS and its file-backed part
+  from the kernel's per-process counters), the cgroup's ``memory.current`` / ``memory.usage_in_bytes``
+  and, without a cgroup limit, ``/proc/meminfo``'s MemAvailable. Each is a handful of microseconds
+  whatever the footprint.
 * page-table walks rarely: ``/proc/self/smaps_rollup`` (anonymous huge pages) and ``/proc/self/numa_maps``
   (per node) walk every page table of the process, which costs time in proportion to the footprint (tens of
   milliseconds at 13 GB, seconds at a terabyte). They run at most every ``walk_interval`` seconds and never
@@ -42,6 +43,7 @@ CSV_COLUMNS = [
     "time_unix",
     "elapsed_s",
     "rss_bytes",
+    "rss_file_bytes",
     "anon_hugepages_bytes",
     "charged_bytes",
     "working_set_bytes",
@@ -79,8 +81,17 @@ def numa_node_bytes(pid: int | str = "self") -> dict[int, int]:
 
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size from /proc/PID/statm: the kernel's counters, no page-table walk."""
+    return rss_parts(pid)[0]
+
+
+def rss_parts(pid: int | str = "self") -> tuple[int, int]:
+    """Resident set size and its file-backed part (mapped libraries and files, plus shared memory: statm's
+    ``shared``, RssFile + RssShmem), from /proc/PID/statm. The file-backed part depends on the page cache as
+    well as on the process: a library read sequentially into the cache (``pip install``, ``cp``) sits in
+    large folios that a fault maps whole, so the same run maps more of it."""
     with open(f"/proc/{pid}/statm", "rb") as handle:
-        return int(handle.read().split()[1]) * _PAGE_SIZE
+        fields = handle.read().split()
+    return int(fields[1]) * _PAGE_SIZE, int(fields[2]) * _PAGE_SIZE
 
 
 def memavailable_bytes() -> int | None:
@@ -102,6 +113,7 @@ class MemorySample:
     working_set_bytes: int | None
     usable_bytes: int | None
     measure: str
+    rss_file_bytes: int = 0
 
     @property
     def measured_bytes(self) -> int:
@@ -144,7 +156,7 @@ class MemoryProbe:
 
     def read(self) -> MemorySample:
         now = time.time()
-        rss = rss_bytes()
+        rss, rss_file = rss_parts()
         charged = working_set = None
         limit = None
         if self.cgroup is not None:
@@ -163,7 +175,7 @@ class MemoryProbe:
             if (limit is not None or host_room is not None)
             else None
         )
-        return MemorySample(now, rss, charged, working_set, usable, self.measure)
+        return MemorySample(now, rss, charged, working_set, usable, self.measure, rss_file)
 
 
 class MemorySampler:
@@ -226,7 +238,7 @@ class MemorySampler:
         self.walk_seconds += cost
         self._next_walk = now + max(self.walk_interval, cost / self.walk_share)
 
-    def sample(self, writer: csv.writer | None = None, walk: bool | None = None) -> MemorySample:
+    def sample(self, writer=None, walk: bool | None = None) -> MemorySample:
         """Take one sample (with the page-table walks when due, or when ``walk`` says so) and write its row."""
         now = time.monotonic()
         if walk or (walk is None and now >= self._next_walk):
@@ -241,6 +253,7 @@ class MemorySampler:
             f"{sample.time_unix:.3f}",
             f"{sample.time_unix - self._start_time:.3f}",
             sample.rss_bytes,
+            sample.rss_file_bytes,
             self._anon_hugepages,
             _blank(sample.charged_bytes),
             _blank(sample.working_set_bytes),
@@ -259,10 +272,15 @@ class MemorySampler:
 
     def _loop(self) -> None:
         new_file = not self.csv_path.exists() or self.csv_path.stat().st_size == 0
+        existing = None if new_file else _csv_header(self.csv_path)
         with open(self.csv_path, "a", newline="") as handle:
             writer = csv.writer(handle)
             if new_file:
                 writer.writerow(self._header())
+            elif existing and existing != self._header():
+                # A resumed run keeps its file's columns (one written by an earlier version, or with
+                # other NUMA nodes): each row goes under them, a column this version lacks left blank.
+                writer = _ColumnWriter(writer, self._header(), existing)
             try:
                 while True:
                     self.sample(writer)
@@ -294,3 +312,23 @@ class MemorySampler:
 
 def _blank(value: int | None) -> int | str:
     return "" if value is None else value
+
+
+def _csv_header(path: Path) -> list[str] | None:
+    try:
+        with open(path, newline="") as handle:
+            return next(csv.reader(handle), None)
+    except OSError:
+        return None
+
+
+class _ColumnWriter:
+    """Writes rows laid out as ``ours`` under the columns ``theirs`` of a file being appended to."""
+
+    def __init__(self, writer, ours: list[str], theirs: list[str]):
+        self.writer = writer
+        index = {name: position for position, name in enumerate(ours)}
+        self.positions = [index.get(name) for name in theirs]
+
+    def writerow(self, row: list) -> None:
+        self.writer.writerow(["" if position is None else row[position] for position in self.positions])

@@ -43,6 +43,13 @@ def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
     axis.plot(
         times, [row.get("anon_hugepages_bytes", 0) / GIB for row in memory], label="of which THP", alpha=0.7
     )
+    if "rss_file_bytes" in memory[0]:
+        axis.plot(
+            times,
+            [row.get("rss_file_bytes", 0) / GIB for row in memory],
+            label="of which file-backed",
+            alpha=0.7,
+        )
     if metrics.get("memory_measure", "rss") != "rss":
         axis.plot(
             times, [row.get("working_set_bytes", 0) / GIB for row in memory], label="cgroup working set"
@@ -153,6 +160,7 @@ def write_report(run_dir: Path) -> Path:
         ("Input shape x batch", f"{metrics.get('input_shape')} x {metrics.get('batch_size')}"),
         ("Judged memory measure", _measure_statement(metrics)),
         ("Peak resident memory (RSS)", size(metrics.get("peak_rss_bytes"))),
+        ("Of which file-backed at the peak", size(metrics.get("file_backed_at_peak_bytes"))),
         (
             "Peak cgroup working set / charge",
             f"{size(metrics.get('peak_cgroup_working_set_bytes'))} / "

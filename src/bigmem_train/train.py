@@ -128,6 +128,9 @@ def compute_metrics(
         if key.startswith("node") and key.endswith("_bytes"):
             node_peaks[key[: -len("_bytes")]] = int(max(row.get(key, 0) for row in memory))
     huge_peak = int(max((row.get("anon_hugepages_bytes", 0) for row in memory), default=0))
+    # How much of the sampled peak was file-backed (libraries, mapped files): it moves with the page cache.
+    at_peak = max(memory, key=lambda row: row.get("rss_bytes", 0), default={})
+    file_at_peak = int(at_peak["rss_file_bytes"]) if "rss_file_bytes" in at_peak else None
     working_set_peak = int(max((row.get("working_set_bytes", 0) for row in memory), default=0))
     charged_peak = int(max((row.get("charged_bytes", 0) for row in memory), default=0))
     usable = [int(row["usable_bytes"]) for row in memory if "usable_bytes" in row]
@@ -143,6 +146,7 @@ def compute_metrics(
         "peak_cgroup_working_set_bytes": working_set_peak or None,
         "peak_cgroup_charged_bytes": charged_peak or None,
         "least_usable_bytes": min(usable) if usable else None,
+        "file_backed_at_peak_bytes": file_at_peak,
         "peak_anon_hugepages_bytes": huge_peak,
         "hugepage_share_at_peak": round(huge_peak / peak, 3) if peak else 0.0,
         "peak_numa_node_bytes": node_peaks,

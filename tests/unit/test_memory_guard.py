@@ -194,6 +194,23 @@ def test_sampler_walks_page_tables_rarely_and_counts_its_cpu(tmp_path):
     header = (tmp_path / "memory.csv").read_text().splitlines()[0].split(",")
     assert header[: len(CSV_COLUMNS)] == CSV_COLUMNS
     assert all(row["rss_bytes"] > 0 and row["usable_bytes"] > 0 for row in rows)
+    # The interpreter's own libraries are mapped: a file-backed part, smaller than the whole.
+    assert all(0 < row["rss_file_bytes"] < row["rss_bytes"] for row in rows)
+
+
+def test_a_resumed_sampler_writes_under_the_columns_of_the_file_it_appends_to(tmp_path):
+    path = tmp_path / "memory.csv"
+    older = [name for name in CSV_COLUMNS if name != "rss_file_bytes"]  # a run started by an earlier version
+    path.write_text(",".join(older) + "\n" + ",".join("1" for _ in older) + "\n")
+    sampler = MemorySampler(path, interval=0.01, walk_interval=3600)
+    with sampler:
+        time.sleep(0.1)
+    lines = path.read_text().splitlines()
+    assert lines[0].split(",") == older and len(lines) == 2 + sampler.samples
+    assert all(len(line.split(",")) == len(older) for line in lines)
+    rows = read_memory_csv(path)
+    assert rows[0]["rss_bytes"] == 1 and all(row["rss_bytes"] > 1000 for row in rows[1:])
+    assert all("rss_file_bytes" not in row for row in rows)
 
 
 # --- postmortem ------------------------------------------------------------------------------------
@@ -289,7 +306,17 @@ def test_remote_status_weighs_what_its_round_trip_read():
     from bigmem_train.remote import _ending
 
     header = ",".join(CSV_COLUMNS)
-    last = f"1.0,1.0,{3 * GIB},0,{2 * GIB},{int(1.9 * GIB)},{2 * GIB}"
+    values = {
+        "time_unix": 1.0,
+        "elapsed_s": 1.0,
+        "rss_bytes": 3 * GIB,
+        "rss_file_bytes": GIB // 4,
+        "anon_hugepages_bytes": 0,
+        "charged_bytes": 2 * GIB,
+        "working_set_bytes": int(1.9 * GIB),
+        "usable_bytes": 2 * GIB,
+    }
+    last = ",".join(str(values[name]) for name in CSV_COLUMNS)
     docker = _ending(
         STATE,
         {"container": "true 137", "memory_last": f"{header}\n{last}", "plan_peak": str(GIB), "host_oom": "4"},
