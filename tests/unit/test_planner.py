@@ -303,6 +303,39 @@ def test_calibration_fit_recovers_known_constants(tables):
     assert fitted.recompute_factor is None
 
 
+def test_calibration_fit_weighs_jobs_by_relative_error(tables):
+    """Where the constants cannot fit every job, the fit spreads the miss in proportion to each job's
+    size (the planner is judged on relative error), not in bytes, which the largest job would set."""
+    truth = Calibration(runtime_baseline_bytes=600 * 1024**2, activation_factor=1.05, workspace_factor=0.0)
+    largest = max(FIT_JOBS, key=lambda job: job["batch"] * job["shape"][0] * job["filters"])
+    # The largest job holds 12 % more than the model says: a miss no constant can absorb alone.
+    samples = synthetic_samples(truth, noise=lambda job: 0.12 * 600 * 1024**2 if job is largest else 0)
+    fitted = calibrate.fit_constants(samples)
+
+    def errors(calibration):
+        return [
+            (sum(estimate.estimate(config, calibration).values()) - measured) / measured
+            for config, measured in samples
+        ]
+
+    weighted = errors(fitted)
+    # The same fit in bytes (unweighted), as the planner fitted before.
+    rows = []
+    for config, _ in samples:
+        zero = sum(estimate.estimate(config, Calibration(0, 0.0, workspace_factor=0.0)).values())
+        one = sum(estimate.estimate(config, Calibration(0, 1.0, workspace_factor=0.0)).values())
+        rows.append((zero, one - zero))
+    solved = calibrate._solve(
+        [[1.0, slope] for _, slope in rows], [m - zero for (zero, _), (_, m) in zip(rows, samples)]
+    )
+    in_bytes = errors(Calibration(int(solved[0]), solved[1], workspace_factor=0.0))
+    # Least squares of relative errors: their sum of squares is the least any constants give, and the
+    # smallest job is no longer the one the miss is pushed onto.
+    assert sum(value**2 for value in weighted) < sum(value**2 for value in in_bytes)
+    smallest = min(range(len(samples)), key=lambda index: samples[index][1])
+    assert abs(weighted[smallest]) < abs(in_bytes[smallest])
+
+
 def test_recomputed_jobs_get_their_own_factor(tables):
     """Rebuilding blocks strands more of the allocator's pages per live byte: recomputed calibration jobs
     fit their own factor, and only recomputed plans use it."""

