@@ -65,7 +65,7 @@ def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
         dice = [float(row["val_hard_dice"]) for row in csv.DictReader(handle)]
     assert max(dice[-3:]) > dice[0] + 0.1, f"validation Dice did not clearly rise: {dice}"
     memory_rows = (run_dir / "memory.csv").read_text().splitlines()
-    assert memory_rows[0].startswith("time_unix,elapsed_s,rss_bytes,anon_hugepages_bytes")
+    assert memory_rows[0].startswith("time_unix,elapsed_s,rss_bytes,rss_file_bytes,anon_hugepages_bytes")
     assert len(memory_rows) > 10
     # The stages rerun from files alone and agree.
     assert bigmem("validate", run_dir).returncode == 0
