@@ -117,7 +117,11 @@ def compute_metrics(
     # The first step of each session compiles the graph: leave it out of the median when there is more.
     timed = steps[1:] if len(steps) > 2 else steps
     median_step = statistics.median(timed) if timed else None
-    sampled_peak = int(max((row.get("rss_bytes", 0) for row in memory), default=0))
+    # The sampled peak, and how much of it was file-backed (libraries, mapped files: it moves with the page
+    # cache).
+    at_peak = max(memory, key=lambda row: row.get("rss_bytes", 0), default={})
+    sampled_peak = int(at_peak.get("rss_bytes", 0))
+    file_at_peak = int(at_peak["rss_file_bytes"]) if "rss_file_bytes" in at_peak else None
     peak = max(sampled_peak, session_peak_bytes)
     voxels_per_step = config.voxels_per_sample * config.training.batch_size
     losses = [row.get("loss") for row in history if "loss" in row]
@@ -128,9 +132,6 @@ def compute_metrics(
         if key.startswith("node") and key.endswith("_bytes"):
             node_peaks[key[: -len("_bytes")]] = int(max(row.get(key, 0) for row in memory))
     huge_peak = int(max((row.get("anon_hugepages_bytes", 0) for row in memory), default=0))
-    # How much of the sampled peak was file-backed (libraries, mapped files): it moves with the page cache.
-    at_peak = max(memory, key=lambda row: row.get("rss_bytes", 0), default={})
-    file_at_peak = int(at_peak["rss_file_bytes"]) if "rss_file_bytes" in at_peak else None
     working_set_peak = int(max((row.get("working_set_bytes", 0) for row in memory), default=0))
     charged_peak = int(max((row.get("charged_bytes", 0) for row in memory), default=0))
     usable = [int(row["usable_bytes"]) for row in memory if "usable_bytes" in row]

@@ -250,25 +250,23 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
     table, targets, recomputed = [], [], []
     for config, measured in samples:
         rest = features(config)
+        weight = 1.0 / measured  # relative errors: every sum below is in fractions of the job's peak
         row = [
-            1.0,
-            features(config, activation=1.0) - rest,
-            features(config, workspace=1.0) - rest,
-            features(config, copies=1.0) - rest,
-            (features(config, per_convolution=2**20) - rest),
-        ]
-        weight = 1.0 / measured
-        if config.model.recompute:
-            recomputed.append(
-                (
-                    [value * weight for value in row],
-                    (features(config, recompute=1.0) - rest) * weight,
-                    (measured - rest) * weight,
-                )
+            weight * value
+            for value in (
+                1.0,
+                features(config, activation=1.0) - rest,
+                features(config, workspace=1.0) - rest,
+                features(config, copies=1.0) - rest,
+                features(config, per_convolution=2**20) - rest,
             )
+        ]
+        target = weight * (measured - rest)
+        if config.model.recompute:
+            recomputed.append((row, weight * (features(config, recompute=1.0) - rest), target))
         else:
-            table.append([value * weight for value in row])
-            targets.append((measured - rest) * weight)
+            table.append(row)
+            targets.append(target)
     # A term the runtime does not have (the column buffer under oneDNN) is 0 for every job: not fitted.
     measurable = [i for i in (1, 2, 3, 4) if any(row[i] for row in table)]
     free = [0] + measurable
