@@ -131,6 +131,7 @@ def measure(results: Path, repeats: int, max_bytes: float, only: list[int] | Non
                 "job": {**job, "shape": list(job["shape"])},
                 "peak_rss_bytes": metrics["peak_rss_bytes"],
                 "file_backed_at_peak_bytes": metrics.get("file_backed_at_peak_bytes"),
+                "file_backed_at_start_bytes": metrics.get("file_backed_at_start_bytes"),
                 "median_step_seconds": metrics.get("median_step_seconds"),
                 "wall_seconds": metrics["wall_seconds"],
                 "load_before": round(load, 2),

@@ -122,6 +122,9 @@ def compute_metrics(
     at_peak = max(memory, key=lambda row: row.get("rss_bytes", 0), default={})
     sampled_peak = int(at_peak.get("rss_bytes", 0))
     file_at_peak = int(at_peak["rss_file_bytes"]) if "rss_file_bytes" in at_peak else None
+    # ... and at the start (the first sample: TensorFlow, the model and the reader loaded, no step yet).
+    first_file = memory[0].get("rss_file_bytes") if memory else None
+    file_at_start = int(first_file) if first_file else None
     peak = max(sampled_peak, session_peak_bytes)
     voxels_per_step = config.voxels_per_sample * config.training.batch_size
     losses = [row.get("loss") for row in history if "loss" in row]
@@ -148,6 +151,7 @@ def compute_metrics(
         "peak_cgroup_charged_bytes": charged_peak or None,
         "least_usable_bytes": min(usable) if usable else None,
         "file_backed_at_peak_bytes": file_at_peak,
+        "file_backed_at_start_bytes": file_at_start,
         "peak_anon_hugepages_bytes": huge_peak,
         "hugepage_share_at_peak": round(huge_peak / peak, 3) if peak else 0.0,
         "peak_numa_node_bytes": node_peaks,

@@ -359,6 +359,7 @@ def calibrate(
                     **{k: list(v) if isinstance(v, tuple) else v for k, v in job.items()},
                     "peak_rss_bytes": measured["peak_rss_bytes"],
                     "file_backed_at_peak_bytes": measured.get("file_backed_at_peak_bytes"),
+                    "file_backed_at_start_bytes": measured.get("file_backed_at_start_bytes"),
                 }
             )
             if log:
