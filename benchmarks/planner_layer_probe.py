@@ -11,6 +11,7 @@ before): memory the kernels keep from one call to the next.
 
     python benchmarks/planner_layer_probe.py                  # conv, convT, batch norm, ReLU, max pool
     python benchmarks/planner_layer_probe.py --layers conv --onednn false --allocator glibc
+    python benchmarks/planner_layer_probe.py --precision mixed_bfloat16   # layers fed bf16, as mid-model
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _release_and_reset() -> None:
     reset_peak()
 
 
-def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None:
+def probe(layers: list[str], shape: tuple[int, int, int], channels: int, precision: str = "float32") -> None:
     """The child's side: one JSON line per layer with the rise in MiB of each call at batch 1 and 2."""
     import gc
 
@@ -61,8 +62,12 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
     # As a single-host run does: every op inline in the calling thread (launch.INLINE_OPS).
     tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("PROBE_INTER", "-1")))
 
+    keras.mixed_precision.set_global_policy(precision)
+    # Under a mixed policy a layer in the middle of the model is fed its predecessor's compute dtype.
+    dtype = keras.mixed_precision.global_policy().compute_dtype
+
     def build(kind: str) -> keras.Model:
-        x = keras.Input((*shape, channels))
+        x = keras.Input((*shape, channels), dtype=dtype)
         y = x
         if kind in ("conv", "conv_bn_relu"):
             y = keras.layers.Conv3D(channels, 3, padding="same")(y)
@@ -86,10 +91,11 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int) -> None
             "shape": list(shape),
             "channels": channels,
             "input_MiB_per_sample": tensor_mib,
+            "precision": precision,
         }
         for batch in (1, 2):
             model = build(kind)
-            data = tf.Variable(tf.random.normal((batch, *shape, channels)))
+            data = tf.Variable(tf.cast(tf.random.normal((batch, *shape, channels)), dtype))
 
             step = _gradient_step(tf, model, data)
             rises = []
@@ -120,11 +126,12 @@ def main() -> int:
     parser.add_argument("--channels", type=int, default=8)
     parser.add_argument("--onednn", default="true", choices=["true", "false"])
     parser.add_argument("--allocator", default="tcmalloc", choices=["glibc", "jemalloc", "tcmalloc"])
+    parser.add_argument("--precision", default="float32", choices=["float32", "mixed_bfloat16"])
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = tuple(int(edge) for edge in args.shape.split(","))
     if args.child:
-        probe(args.layers.split(","), shape, args.channels)  # type: ignore[arg-type]
+        probe(args.layers.split(","), shape, args.channels, args.precision)  # type: ignore[arg-type]
         return 0
     from bigmem_train.config import load_config
     from bigmem_train.launch import runtime_environment

@@ -114,10 +114,18 @@ def _planned_memory_rows(plan: dict, metrics: dict) -> str:
     if not breakdown:
         return ""
     rows = ["<tr><th>component</th><th>planned</th><th>measured</th></tr>"]
+    mapped = plan.get("runtime_file_backed") or {}
     for key, value in breakdown.items():
         planned = value.get("bytes") if isinstance(value, dict) else value  # plan.json: {bytes, gib}
+        note = ""
+        if key == "runtime_baseline" and mapped.get("measured_bytes"):
+            # The one planned figure a run measures for itself (JobPlan.with_file_backed).
+            note = f"of which mapped files {_gib(mapped['measured_bytes'])} at the start"
+            if mapped.get("calibrated_bytes"):
+                note += f" (calibration: {_gib(mapped['calibrated_bytes'])})"
         rows.append(
-            f"<tr><td>{html.escape(key.replace('_', ' '))}</td><td>{_gib(planned)}</td><td></td></tr>"
+            f"<tr><td>{html.escape(key.replace('_', ' '))}</td><td>{_gib(planned)}</td>"
+            f"<td>{html.escape(note)}</td></tr>"
         )
     planned_peak, measured_peak = plan.get("peak_bytes"), metrics.get("peak_rss_bytes")
     error = ""

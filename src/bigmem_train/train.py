@@ -24,7 +24,7 @@ from .guard import MemoryGuard, MemoryStopped, guard_callback
 from .host import HostFacts, onednn_enabled, preloaded_allocator
 from .launch import choose_threads, start_tensorflow
 from .memory.plan import JobPlan
-from .monitor import MemoryProbe, MemorySampler
+from .monitor import MemoryProbe, MemorySampler, rss_parts
 from .progress import progress_callback
 from .rundir import read_history, read_memory_csv, read_step_seconds, write_json
 from .sizes import format_bytes
@@ -222,6 +222,11 @@ def train(
     datasets = make_datasets(config, train_cases, validation_cases, workers=workers)
     with strategy.scope():
         model = compile_model(config)
+    if plan is not None:
+        # TensorFlow, the model and the reader are loaded: what this process maps of its libraries is
+        # known now, and the plan takes it in place of the calibration's figure (JobPlan.with_file_backed).
+        plan = plan.with_file_backed(rss_parts()[1])
+        write_json(run_dir / "plan.json", plan.to_dict())
 
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)

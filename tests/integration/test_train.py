@@ -49,6 +49,11 @@ def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
     assert metrics["peak_rss_bytes"] > 200 * 2**20
     # TensorFlow's libraries are mapped: part of the peak is file-backed, not all of it.
     assert 50 * 2**20 < metrics["file_backed_at_peak_bytes"] < metrics["peak_rss_bytes"]
+    assert 50 * 2**20 < metrics["file_backed_at_start_bytes"] <= metrics["file_backed_at_peak_bytes"] * 1.05
+    # The run measured what it maps of its libraries and its plan says so.
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert 50 * 2**20 < plan["runtime_file_backed"]["measured_bytes"] < metrics["peak_rss_bytes"]
+    assert plan["peak_bytes"] == metrics["planned_peak_bytes"]
     assert metrics["voxels_per_second"] > 0 and metrics["median_step_seconds"] > 0
     assert metrics["onednn_enabled"] in (True, False)
     # runtime.inline_ops: TensorFlow ran every op in the calling thread.

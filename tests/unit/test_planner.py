@@ -336,6 +336,52 @@ def test_calibration_fit_weighs_jobs_by_relative_error(tables):
     assert abs(weighted[smallest]) < abs(in_bytes[smallest])
 
 
+def test_calibration_fit_takes_each_peak_at_the_mean_file_backed_part(tables):
+    """Runs measured in two page-cache states (their libraries mapped 310 or 440 MiB) fit the same
+    job-dependent constants as runs in one state; the mean file-backed part is kept with the baseline."""
+    truth = Calibration(runtime_baseline_bytes=600 * 1024**2, activation_factor=1.05, workspace_factor=0.0)
+    one_state = synthetic_samples(truth)
+    shifts = [310 * 2**20, 440 * 2**20, 440 * 2**20, 310 * 2**20]
+    mean = sum(shifts) // len(shifts)
+    two_states = [
+        (config, measured + shift - mean, shift) for (config, measured), shift in zip(one_state, shifts)
+    ]
+    fitted = calibrate.fit_constants(two_states)
+    assert fitted.file_backed_bytes == mean
+    assert fitted.activation_factor == pytest.approx(1.05, abs=1e-3)
+    assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
+    # Without the file-backed figures the states' difference lands in the constants.
+    blind = calibrate.fit_constants([(config, measured) for config, measured, _ in two_states])
+    assert blind.file_backed_bytes is None
+    assert abs(blind.runtime_baseline_bytes - truth.runtime_baseline_bytes) > 10 * 2**20
+    assert fitted.parameter_copies == pytest.approx(0, abs=1e-3) and fitted.per_convolution_bytes < 2**10
+
+
+def test_plan_trades_the_calibrated_file_backed_part_for_the_runs_own():
+    calibration = Calibration(
+        runtime_baseline_bytes=600 * 1024**2, activation_factor=1.05, file_backed_bytes=340 * 2**20
+    )
+    plan = plan_job(study(**{"training.batch_size": 1}), None, calibration)
+    assert plan.file_backed_calibrated_bytes == 340 * 2**20
+    refined = plan.with_file_backed(440 * 2**20)
+    assert refined.peak_bytes - plan.peak_bytes == 100 * 2**20
+    assert refined.breakdown["runtime_baseline"] - plan.breakdown["runtime_baseline"] == 100 * 2**20
+    assert sum(refined.breakdown.values()) == refined.peak_bytes
+    assert {k: v for k, v in refined.breakdown.items() if k != "runtime_baseline"} == {
+        k: v for k, v in plan.breakdown.items() if k != "runtime_baseline"
+    }
+    # A resumed run measures again: it replaces the earlier measurement, it does not add to it.
+    again = type(plan).from_dict(refined.config, refined.to_dict()).with_file_backed(400 * 2**20)
+    assert again.peak_bytes - plan.peak_bytes == 60 * 2**20
+    assert again.to_dict()["runtime_file_backed"] == {
+        "calibrated_bytes": 340 * 2**20,
+        "measured_bytes": 400 * 2**20,
+    }
+    # Constants fitted before the figure was recorded: the plan keeps its baseline, records the measurement.
+    old = plan_job(study(**{"training.batch_size": 1}), None, Calibration(600 * 1024**2, 1.05))
+    assert old.with_file_backed(440 * 2**20).peak_bytes == old.peak_bytes
+
+
 def test_recomputed_jobs_get_their_own_factor(tables):
     """Rebuilding blocks strands more of the allocator's pages per live byte: recomputed calibration jobs
     fit their own factor, and only recomputed plans use it."""

@@ -213,7 +213,7 @@ def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
     return [matrix[i][size] / matrix[i][i] for i in range(size)]
 
 
-def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
+def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | None]]) -> Calibration:
     """Least squares of measured - (weights, gradients, slots, input, oneDNN scratchpad) = baseline +
     activation factor x (tensors alive at the backward peak; recompute factor for jobs with gradient
     recomputation) + parameter copies x (trainable parameters x
@@ -227,7 +227,22 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
 
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).
+
+    A sample may carry a third figure, the run's file-backed RSS at its start (mapped libraries; metrics'
+    ``file_backed_at_start_bytes``). When every sample has it, each peak is taken at the samples' mean
+    file-backed part (peak - its own + the mean), so the page cache's state does not leak into the
+    job-dependent constants, and the mean is kept as ``file_backed_bytes``: the part of the baseline a
+    run trades for its own measurement (``JobPlan.with_file_backed``).
     """
+    mapped = [sample[2] if len(sample) > 2 else None for sample in samples]
+    file_backed = None
+    if mapped and all(mapped):
+        file_backed = round(sum(mapped) / len(mapped))
+        samples = [
+            (config, measured - own + file_backed) for (config, measured, *_), own in zip(samples, mapped)
+        ]
+    else:
+        samples = [(config, measured) for config, measured, *_ in samples]
 
     def features(
         config: Config,
@@ -296,6 +311,7 @@ def fit_constants(samples: list[tuple[Config, int]]) -> Calibration:
         workspace_factor=workspace,
         parameter_copies=round(values.get(3, 0.0), 3),
         per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
+        file_backed_bytes=file_backed,
     )
 
 
@@ -327,6 +343,7 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "workspace_factor": calibration.workspace_factor,
         "parameter_copies": calibration.parameter_copies,
         "per_convolution_bytes": calibration.per_convolution_bytes,
+        "file_backed_bytes": calibration.file_backed_bytes,
         "measured": measured,
     }
 
@@ -353,7 +370,7 @@ def calibrate(
         for index, job in enumerate(jobs or CALIBRATION_JOBS):
             config = job_config(base, **job)
             measured = measure_run(config, workdir, f"calibration-{index}-{repeat}")
-            samples.append((config, measured["peak_rss_bytes"]))
+            samples.append((config, measured["peak_rss_bytes"], measured.get("file_backed_at_start_bytes")))
             records.append(
                 {
                     **{k: list(v) if isinstance(v, tuple) else v for k, v in job.items()},

@@ -51,6 +51,12 @@ class Calibration:
     # primitives (JIT code, reordered weights, per-primitive buffers for forward, input and filter
     # gradient) and TensorFlow's graph and kernels for the layer. Fitted on whole runs (model 4); 0 before.
     per_convolution_bytes: int = 0
+    # The file-backed part of the baseline (TensorFlow's and Python's mapped libraries, resident in RSS): the
+    # calibration runs' mean at their start, or None (files fitted before it was recorded). It is not the
+    # job's: the same run maps 310 MiB in one page-cache state and 440 MiB in another (large folios map
+    # whole, docs/planner.md), so a run measures its own once TensorFlow and the model are loaded and its
+    # plan trades this figure for it (``JobPlan.with_file_backed``).
+    file_backed_bytes: int | None = None
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
     # Calibration files passed over on the way to this one: fitted for the model before the activation
@@ -167,6 +173,9 @@ def load_calibration() -> Calibration:
             workspace_factor=float(data["workspace_factor"]),
             parameter_copies=float(data.get("parameter_copies", 0.0)),
             per_convolution_bytes=int(data.get("per_convolution_bytes", 0)),
+            file_backed_bytes=(
+                None if data.get("file_backed_bytes") is None else int(data["file_backed_bytes"])
+            ),
             source=str(path),
             measured=data.get("measured", {}),
             skipped=skipped,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..config import Config
@@ -37,6 +37,29 @@ class JobPlan:
     workers: int = 1
     # The lever footprint.levers "auto" applied to reach the target or the host (e.g. "model.recompute: true").
     lever: str | None = None
+    # The file-backed part of the runtime baseline (mapped libraries): the calibration's figure, and this
+    # run's own once it has measured it (``with_file_backed``); None where unknown.
+    file_backed_calibrated_bytes: int | None = None
+    file_backed_measured_bytes: int | None = None
+
+    def with_file_backed(self, measured: int) -> JobPlan:
+        """This plan with the runtime baseline's file-backed part measured in the training process
+        (TensorFlow, the model and the reader loaded), in place of the calibration's.
+
+        What a process maps of its libraries moves with the page cache, not with the job: the calibration
+        jobs' first sample held 436-446 MiB of file-backed RSS on a fresh install and 310-340 MiB in an
+        earlier state of the same VM, ~0.1 GiB that is a tenth of a small job (docs/planner.md, Accuracy).
+        Only that part is traded; every job-dependent term stays predicted. Without a calibrated figure the
+        plan keeps its baseline and records the measurement."""
+        if measured <= 0:
+            return self
+        previous = self.file_backed_measured_bytes or self.file_backed_calibrated_bytes
+        delta = measured - previous if previous is not None and self.file_backed_calibrated_bytes else 0
+        breakdown = dict(self.breakdown)
+        breakdown["runtime_baseline"] = breakdown.get("runtime_baseline", 0) + delta
+        return replace(
+            self, breakdown=breakdown, peak_bytes=self.peak_bytes + delta, file_backed_measured_bytes=measured
+        )
 
     @classmethod
     def from_dict(cls, config: Config, data: dict[str, Any]) -> JobPlan:
@@ -53,6 +76,8 @@ class JobPlan:
             calibration_warning=data.get("calibration_warning"),
             workers=int(data.get("workers", 1)),
             lever=data.get("lever"),
+            file_backed_calibrated_bytes=(data.get("runtime_file_backed") or {}).get("calibrated_bytes"),
+            file_backed_measured_bytes=(data.get("runtime_file_backed") or {}).get("measured_bytes"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -74,6 +99,10 @@ class JobPlan:
             "calibration": self.calibration_source,
             "calibration_warning": self.calibration_warning,
             "lever": self.lever,
+            "runtime_file_backed": {
+                "calibrated_bytes": self.file_backed_calibrated_bytes,
+                "measured_bytes": self.file_backed_measured_bytes,
+            },
         }
 
 
@@ -134,6 +163,7 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         calibration.warning(config, host),
         workers,
         lever.change if lever else None,
+        calibration.file_backed_bytes,
     )
 
 
