@@ -88,6 +88,25 @@ def test_mixed_bfloat16_keeps_less_but_not_half(tables):
     assert 0.5 * f32 < bf16 < 0.9 * f32
 
 
+def test_mixed_batch_norm_backward_holds_float32_gradients(tables, monkeypatch):
+    """Under mixed_bfloat16, batch normalization's backward holds its gradients in float32 (Keras runs the
+    layer in float32): the backward peak holds one more float32 tensor of a batch norm's input than the
+    bf16 gradients alone would, and float32 plans do not change."""
+    config = study(**{"runtime.precision": "mixed_bfloat16", "training.batch_size": 1})
+    table = layers.expand_recomputed_blocks(
+        recorded_table("unet_depth4_filters16_mixed_bfloat16"), config.model.batch_norm
+    )
+    shape = tuple(config.data.input_shape)
+    with_copies = estimate.backward_live_bytes(table, 1, shape, False)[1]
+    float32_table = recorded_table("unet_depth4_filters16_float32")
+    float32_peak = estimate.backward_live_bytes(float32_table, 1, shape, False)[1]
+    monkeypatch.setattr(estimate, "MIXED_BATCH_NORM_GRADIENT_COPIES", 0)
+    without = estimate.backward_live_bytes(table, 1, shape, False)[1]
+    full_resolution_bn_input = 240 * 240 * 144 * 16 * 4  # the first block's batch norms: 16 channels
+    assert with_copies - without == full_resolution_bn_input
+    assert estimate.backward_live_bytes(float32_table, 1, shape, False)[1] == float32_peak
+
+
 def test_recompute_keeps_only_block_boundaries(tables):
     full = estimate.estimate(study(), CALIBRATION)
     recomputed = estimate.estimate(study(**{"model.recompute": True}), CALIBRATION)

@@ -46,6 +46,14 @@ LOSS_KEPT_TENSORS = 7
 # batch 2, where the output gradient + input gradient (+ the output, freed after the loss) are 2-3.
 BATCH_NORM_BACKWARD_TRANSIENTS = 2
 
+# Under a mixed policy Keras 3 runs batch normalization in float32 (its input cast up, its output cast
+# down), so its backward casts the output gradient up to float32 and computes the input gradient in float32
+# before casting it down: both gradients exist in float32 (4 B) where the walk counts them in the compute
+# dtype (2 B), one more float32 tensor of the input's size. Measured (benchmarks/planner_layer_probe.py
+# --layers bn --precision mixed_bfloat16, 160x160x128 x 16 channels, 200 MiB per float32 sample): one
+# layer's forward + backward rose by 1000 MiB in bf16 against 800 MiB in float32 at batch 1.
+MIXED_BATCH_NORM_GRADIENT_COPIES = 1
+
 # Adam keeps two float32 slots (first and second moment) per trainable weight.
 ADAM_SLOTS = 2
 
@@ -194,7 +202,10 @@ def backward_live_bytes(
                 gradients[name] = gradient_bytes(producer)
         adding += _chunk_copies(row, rows, batch, shape)
         if row["kind"] == "BatchNormalization":
-            adding += BATCH_NORM_BACKWARD_TRANSIENTS * _elements(rows[row["inputs"][0]], batch, shape) * 4
+            copies = BATCH_NORM_BACKWARD_TRANSIENTS
+            if row["dtype"] != "float32":
+                copies += MIXED_BATCH_NORM_GRADIENT_COPIES
+            adding += copies * _elements(rows[row["inputs"][0]], batch, shape) * 4
         peak = max(peak, sum(alive.values()) + sum(gradients.values()) + adding)
         gradients.pop(row["name"], None)
         for key in list(pending):
