@@ -65,7 +65,9 @@ def test_run_sized_to_a_target_peaks_within_tolerance(tmp_path: Path):
     # The run's plan is the sized plan with its own file-backed part (mapped libraries, measured once
     # TensorFlow was loaded) in place of the calibration's: nothing else moved.
     mapped = recorded["runtime_file_backed"]
-    assert recorded["peak_bytes"] - plan["peak_bytes"] == mapped["measured_bytes"] - mapped["calibrated_bytes"]
+    assert (
+        recorded["peak_bytes"] - plan["peak_bytes"] == mapped["measured_bytes"] - mapped["calibrated_bytes"]
+    )
     assert recorded["input_shape"] == plan["input_shape"]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     measured = metrics["peak_rss_bytes"]
