@@ -53,7 +53,7 @@ class Calibration:
     per_convolution_bytes: int = 0
     # The file-backed part of the baseline (TensorFlow's and Python's mapped libraries, resident in RSS): the
     # calibration runs' mean at their start, or None (files fitted before it was recorded). It is not the
-    # job's: the same run maps 310 MiB in one page-cache state and 440 MiB in another (large folios map
+    # job's: the same run maps 324 MiB in one page-cache state and 436 MiB in another (large folios map
     # whole, docs/planner.md), so a run measures its own once TensorFlow and the model are loaded and its
     # plan trades this figure for it (``JobPlan.with_file_backed``).
     file_backed_bytes: int | None = None
