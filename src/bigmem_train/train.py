@@ -122,9 +122,12 @@ def compute_metrics(
     at_peak = max(memory, key=lambda row: row.get("rss_bytes", 0), default={})
     sampled_peak = int(at_peak.get("rss_bytes", 0))
     file_at_peak = int(at_peak["rss_file_bytes"]) if "rss_file_bytes" in at_peak else None
-    # ... and at the start (the first sample: TensorFlow, the model and the reader loaded, no step yet).
-    first_file = memory[0].get("rss_file_bytes") if memory else None
-    file_at_start = int(first_file) if first_file else None
+    # ... and at the start (TensorFlow, the model and the reader loaded, no step yet): the figure the plan
+    # took (JobPlan.with_file_backed), so calibration and the accuracy sweep use what the run's plan used;
+    # without a plan, the first sample.
+    file_at_start = plan.file_backed_measured_bytes if plan else None
+    if not file_at_start and memory and memory[0].get("rss_file_bytes"):
+        file_at_start = int(memory[0]["rss_file_bytes"])
     peak = max(sampled_peak, session_peak_bytes)
     voxels_per_step = config.voxels_per_sample * config.training.batch_size
     losses = [row.get("loss") for row in history if "loss" in row]

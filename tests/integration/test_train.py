@@ -53,6 +53,7 @@ def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
     # The run measured what it maps of its libraries and its plan says so.
     plan = json.loads((run_dir / "plan.json").read_text())
     assert 50 * 2**20 < plan["runtime_file_backed"]["measured_bytes"] < metrics["peak_rss_bytes"]
+    assert metrics["file_backed_at_start_bytes"] == plan["runtime_file_backed"]["measured_bytes"]
     assert plan["peak_bytes"] == metrics["planned_peak_bytes"]
     assert metrics["voxels_per_second"] > 0 and metrics["median_step_seconds"] > 0
     assert metrics["onednn_enabled"] in (True, False)
