@@ -55,7 +55,7 @@ class JobPlan:
         if measured <= 0:
             return self
         previous = self.file_backed_measured_bytes or self.file_backed_calibrated_bytes
-        delta = measured - previous if previous is not None and self.file_backed_calibrated_bytes else 0
+        delta = measured - previous if self.file_backed_calibrated_bytes else 0
         breakdown = dict(self.breakdown)
         breakdown["runtime_baseline"] = breakdown.get("runtime_baseline", 0) + delta
         return replace(
