@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import distribute
+from .checkpoints import model_checkpoint
 from .config import Config
 from .data import bad_input_from, make_datasets
 from .guard import MemoryGuard, MemoryStopped, guard_callback
@@ -244,10 +245,9 @@ def train(
         backup,
         step_timer,
         keras.callbacks.CSVLogger(str(run_dir / "history.csv"), append=True),
-        keras.callbacks.ModelCheckpoint(str(checkpoints / "last.keras")),
-        keras.callbacks.ModelCheckpoint(
-            str(checkpoints / "best.keras"), monitor="val_dice", mode="max", save_best_only=True
-        ),
+        # Streamed to disk: Keras' own writer stages each file in memory (checkpoints.py).
+        model_checkpoint(checkpoints / "last.keras"),
+        model_checkpoint(checkpoints / "best.keras", monitor="val_dice", mode="max", save_best_only=True),
     ]
     if config.output.tensorboard:
         callbacks.append(keras.callbacks.TensorBoard(str(run_dir / "tensorboard"), update_freq="epoch"))

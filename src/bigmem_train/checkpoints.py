@@ -1,0 +1,70 @@
+"""Model checkpoints (``last.keras``, ``best.keras``) written without staging the file in memory.
+
+Keras' own ``.keras`` writer builds the archive's ``model.weights.h5`` in an ``io.BytesIO`` that grows as
+HDF5 writes into it, then copies it into the zip (``H5IOStore.close``: ``writestr(..., getvalue())``): for
+a model of P float32 parameters with Adam that is about 3 x P x 4 B staged, grown by reallocation, plus
+its copy, twice an epoch (last and best). Those buffers are freed again, but the allocator's heap keeps
+them, and where they lie decides how much of it the next training step can reuse: the same job's peak
+then varies from one process to the next. Measured (docs/planner.md, ``benchmarks/checkpoint_spread.py``):
+a 12.7 M-parameter job (64x48x48, batch 2, 24 filters, depth 4) peaked at 1.46-1.66 GiB in five runs with
+Keras' writer and at 1.35-1.40 GiB in five alternating runs with this one, at the same step time.
+
+Here Keras writes the model unzipped into a temporary directory next to the target (HDF5 writes each
+variable to the file as it goes), the directory is zipped into ``<name>.partial`` in 8 KiB pieces
+(``zipfile.ZipFile.write``) and renamed over the target: the same archive ``keras.models.load_model``
+reads, and a run killed while saving leaves the previous checkpoint whole.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+# For benchmarks/checkpoint_spread.py only: "keras" makes the checkpoints use Keras' own writer again, so
+# the two can be measured side by side.
+WRITER_ENVIRONMENT = "BIGMEM_CHECKPOINT_WRITER"
+
+
+def save_model_file(model, path: Path) -> None:
+    """Write ``model`` (architecture, weights, optimizer state) to the ``.keras`` file ``path``."""
+    path = Path(path)
+    if path.suffix != ".keras":
+        raise ValueError(f"a model checkpoint is a .keras file, not {path.name}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        unzipped = staging / "model"
+        model.save(str(unzipped), zipped=False)
+        with zipfile.ZipFile(partial, "w") as archive:  # stored, not deflated, as Keras writes it
+            for member in sorted(unzipped.rglob("*")):
+                if member.is_file():
+                    archive.write(member, member.relative_to(unzipped).as_posix())
+        os.replace(partial, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        partial.unlink(missing_ok=True)
+
+
+def model_checkpoint(filepath: Path, **options):
+    """``keras.callbacks.ModelCheckpoint`` (its schedule, monitor and best-only logic) whose saves go
+    through :func:`save_model_file`."""
+    import keras
+
+    class StreamedModelCheckpoint(keras.callbacks.ModelCheckpoint):
+        def _save_model(self, epoch, batch, logs):
+            filepath = self._get_file_path(epoch, batch, logs)
+            if self._should_save_model(epoch, batch, logs, filepath):
+                save_model_file(self.model, Path(filepath))
+
+    if os.environ.get(WRITER_ENVIRONMENT) == "keras":
+        return keras.callbacks.ModelCheckpoint(str(filepath), **options)
+    if options.get("save_weights_only"):
+        raise ValueError("model_checkpoint writes whole models; use ModelCheckpoint for weights only")
+    for method in ("_save_model", "_get_file_path", "_should_save_model"):
+        if not hasattr(keras.callbacks.ModelCheckpoint, method):  # a Keras that no longer has the hook
+            raise RuntimeError(f"keras.callbacks.ModelCheckpoint has no {method}: update checkpoints.py")
+    return StreamedModelCheckpoint(str(filepath), **options)
