@@ -5,7 +5,8 @@ its own process, two epochs of two steps on a synthetic NIfTI dataset of the job
 real pipeline, validation after each epoch, checkpoints, TensorBoard and the memory sampler, under the
 runtime the launcher sets up (oneDNN, tcmalloc preloaded, threads). The planner predicts the same job
 with the stored constants (``memory/calibration.json``, fitted by ``plan --calibrate`` on
-``calibrate.CALIBRATION_JOBS``, none of which is in this sweep). Each job is measured at least twice and
+``calibrate.CALIBRATION_JOBS`` and, where bf16 is native, ``MIXED_CALIBRATION_JOBS``, none of which
+is in this sweep). Each job is measured at least twice and
 judged on its worse run (the one the plan is furthest under, else furthest over).
 
 Targets (issue 16), on the scored jobs: mean absolute error at most 3 %, worst at most 5 %, no job
@@ -30,7 +31,7 @@ from pathlib import Path
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.host import cpu_isa, read_cpu_flags
-from bigmem_train.memory.calibrate import CALIBRATION_JOBS, job_config, measure_run
+from bigmem_train.memory.calibrate import CALIBRATION_JOBS, MIXED_CALIBRATION_JOBS, job_config, measure_run
 from bigmem_train.memory.constants import Calibration, load_calibration
 from bigmem_train.memory.estimate import estimate
 
@@ -245,7 +246,9 @@ def main() -> int:
     parser.add_argument("--predict-only", action="store_true", help="only re-predict stored measurements")
     parser.add_argument("--json", type=Path, help="also write the table and summary here")
     args = parser.parse_args()
-    calibration_jobs = {describe({**job, "shape": list(job["shape"])}) for job in CALIBRATION_JOBS}
+    calibration_jobs = {
+        describe({**job, "shape": list(job["shape"])}) for job in CALIBRATION_JOBS + MIXED_CALIBRATION_JOBS
+    }
     overlap = [describe(job) for job in SWEEP if describe(job) in calibration_jobs]
     if overlap:
         raise SystemExit(f"sweep jobs that are also calibration jobs: {overlap}")

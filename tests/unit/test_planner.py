@@ -1,5 +1,6 @@
 """The planner: memory model rules, sizing to a target, NUMA placement on recorded hosts (no TensorFlow)."""
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -320,6 +321,46 @@ def test_calibration_fit_recovers_known_constants(tables):
     assert fitted.workspace_factor == pytest.approx(0.92, abs=1e-3)
     # No recomputed job measured: nothing to fit, recomputed plans use the activation factor.
     assert fitted.recompute_factor is None
+
+
+def test_calibration_fit_gives_mixed_precision_its_own_factor(tables):
+    """Mixed-precision jobs get a factor of their own, fitted on them alone: they move no other constant,
+    and only mixed-precision plans use it."""
+    truth = Calibration(
+        runtime_baseline_bytes=640 * 1024**2,
+        activation_factor=1.09,
+        workspace_factor=0.0,
+        parameter_copies=0.6,
+        mixed_precision_factor=1.12,
+    )
+    mixed_base = load_config(None, {"runtime.precision": "mixed_bfloat16"})
+    mixed_jobs = [
+        {"shape": (64, 64, 48), "batch": 1, "filters": 16, "depth": 4, "channels": 1},
+        {"shape": (96, 96, 64), "batch": 2, "filters": 16, "depth": 4, "channels": 4},
+    ]
+    mixed = []
+    for job in mixed_jobs:
+        config = calibrate.job_config(mixed_base, **job, precision="mixed_bfloat16")
+        mixed.append((config, sum(estimate.estimate(config, truth).values())))
+    plain = synthetic_samples(truth)
+    fitted = calibrate.fit_constants(plain + mixed)
+    assert fitted.mixed_precision_factor == pytest.approx(1.12, abs=1e-3)
+    alone = calibrate.fit_constants(plain)
+    assert alone.mixed_precision_factor is None
+    assert fitted.activation_factor == alone.activation_factor
+    assert fitted.runtime_baseline_bytes == alone.runtime_baseline_bytes
+    config = mixed[0][0]
+    unscaled = estimate.estimate(config, dataclasses.replace(fitted, mixed_precision_factor=None))
+    scaled = estimate.estimate(config, fitted)
+    assert scaled["activations"] + scaled["workspace"] == pytest.approx(
+        1.12 * (unscaled["activations"] + unscaled["workspace"]), rel=1e-3
+    )
+    same = ("weights", "parameter_copies", "runtime_baseline")
+    assert [scaled[key] for key in same] == [unscaled[key] for key in same]
+    float32 = plain[0][0]
+    assert estimate.estimate(float32, fitted) == estimate.estimate(
+        float32, dataclasses.replace(fitted, mixed_precision_factor=None)
+    )
 
 
 def test_calibration_fit_weighs_jobs_by_relative_error(tables):

@@ -17,6 +17,7 @@ off]; it writes the constants, the model they belong to and the runtime they wer
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import datetime
 import json
 import os
@@ -34,6 +35,7 @@ from ..host import cpu_isa, read_cpu_flags, read_cpu_model
 from . import layers
 from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
 from .estimate import estimate
+from .levers import native_bf16
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
 # 8 to 32 filters, depths 3..5, whole-run peaks from 1.0 to 2.5 GiB. The two larger jobs are there because
@@ -194,6 +196,42 @@ def reset_peak() -> None:
         pass
 
 
+# Mixed-precision jobs (runtime.precision mixed_bfloat16), for their own factor, measured only where the CPU
+# computes bfloat16 natively (levers.native_bf16): elsewhere a bf16 job is emulated, slow, and never offered
+# as a lever. 1.0 to 4.5 GiB, none of them a sweep job.
+MIXED_CALIBRATION_JOBS: list[dict[str, Any]] = [
+    {
+        "shape": (64, 64, 48),
+        "batch": 1,
+        "filters": 16,
+        "depth": 4,
+        "channels": 1,
+        "precision": "mixed_bfloat16",
+    },
+    {
+        "shape": (128, 128, 64),
+        "batch": 2,
+        "filters": 8,
+        "depth": 4,
+        "channels": 4,
+        "precision": "mixed_bfloat16",
+    },
+    {
+        "shape": (192, 176, 128),
+        "batch": 1,
+        "filters": 16,
+        "depth": 4,
+        "channels": 1,
+        "precision": "mixed_bfloat16",
+    },
+]
+
+
+def calibration_jobs(cpu_flags: list[str] | None) -> list[dict[str, Any]]:
+    """The jobs ``plan --calibrate`` measures on a CPU with these flags."""
+    return CALIBRATION_JOBS + (MIXED_CALIBRATION_JOBS if native_bf16(cpu_flags) else [])
+
+
 def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
     """Least squares (normal equations) for a handful of unknowns, without numpy."""
     size = len(rows[0])
@@ -262,8 +300,11 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
         )
         return sum(estimate(config, calibration).values())
 
-    table, targets, recomputed = [], [], []
+    table, targets, recomputed, mixed = [], [], [], []
     for config, measured in samples:
+        if config.runtime.precision != "float32":
+            mixed.append((config, measured))
+            continue
         rest = features(config)
         weight = 1.0 / measured  # relative errors: every sum below is in fractions of the job's peak
         row = [
@@ -300,6 +341,29 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
         live = [column for _, column, _ in recomputed]
         rests = [target - known for (_, _, target), known in zip(recomputed, fixed)]
         recompute_factor = round(sum(a * b for a, b in zip(live, rests)) / sum(a * a for a in live), 4)
+    # The mixed-precision factor on the mixed jobs alone, every other constant as fixed above: the ratio of
+    # what their activations and workspace really hold to what the float32-fitted factor gives them.
+    mixed_factor = None
+    if mixed:
+        fixed = Calibration(
+            runtime_baseline_bytes=int(values[0]),
+            activation_factor=values.get(1, 0.0),
+            recompute_factor=recompute_factor,
+            workspace_factor=values.get(2, 0.0),
+            parameter_copies=values.get(3, 0.0),
+            per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
+        )
+        scaled, rests = [], []
+        for config, measured in mixed:
+            planned = sum(estimate(config, fixed).values())
+            # What the factor scales: the plan with it doubled, less the plan with it at 1.
+            live = (
+                sum(estimate(config, dataclasses.replace(fixed, mixed_precision_factor=2.0)).values())
+                - planned
+            )
+            scaled.append(live / measured)
+            rests.append((measured - (planned - live)) / measured)
+        mixed_factor = round(sum(a * b for a, b in zip(scaled, rests)) / sum(a * a for a in scaled), 4)
     # Under oneDNN the column buffer cannot be measured: keep the built-in factor (about one sample's
     # patch matrix) for plans of jobs that switch oneDNN off, rather than a 0 that was never measured.
     workspace = round(values.get(2, 0.0), 4) if 2 in measurable else Calibration.workspace_factor
@@ -308,6 +372,7 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
         activation_factor=round(values.get(1, 0.0), 4),
         # Without recomputed jobs there is nothing to fit: such plans use the activation factor.
         recompute_factor=recompute_factor,
+        mixed_precision_factor=mixed_factor,
         workspace_factor=workspace,
         parameter_copies=round(values.get(3, 0.0), 3),
         per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
@@ -340,6 +405,7 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "runtime_baseline_bytes": calibration.runtime_baseline_bytes,
         "activation_factor": calibration.activation_factor,
         "recompute_factor": calibration.recompute_factor,
+        "mixed_precision_factor": calibration.mixed_precision_factor,
         "workspace_factor": calibration.workspace_factor,
         "parameter_copies": calibration.parameter_copies,
         "per_convolution_bytes": calibration.per_convolution_bytes,
@@ -361,13 +427,14 @@ def calibrate(
     repeats: int = CALIBRATION_REPEATS,
     workdir: Path | None = None,
 ) -> Path:
-    """Measure ``jobs`` (default ``CALIBRATION_JOBS``) ``repeats`` times each as short whole runs
+    """Measure ``jobs`` (default ``calibration_jobs``: the mixed-precision ones where bf16 is native)
+    ``repeats`` times each as short whole runs
     (:func:`measure_run`), fit the constants, store them; return the file."""
     base = base or load_config()
     workdir = workdir or layers.cache_dir() / "calibration-runs"
     samples, records = [], []
     for repeat in range(repeats):
-        for index, job in enumerate(jobs or CALIBRATION_JOBS):
+        for index, job in enumerate(jobs or calibration_jobs(read_cpu_flags())):
             config = job_config(base, **job)
             measured = measure_run(config, workdir, f"calibration-{index}-{repeat}")
             samples.append((config, measured["peak_rss_bytes"], measured.get("file_backed_at_start_bytes")))

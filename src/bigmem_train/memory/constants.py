@@ -37,6 +37,12 @@ class Calibration:
     # full-size tensors again and again, and the allocator's page heap strands more of them than a plain
     # run does (TensorFlow's own accounting vs RSS, docs/planner.md).
     recompute_factor: float | None = None
+    # Under runtime.precision mixed_bfloat16, resident bytes per byte the walk counts, as a multiple of the
+    # activation (or recompute) factor, or None: 1. Fitted on mixed-precision calibration jobs alone
+    # (measured only where the CPU computes bfloat16 natively): Keras runs batch normalization in float32 and
+    # casts around it, and oneDNN's bf16 kernels reorder and convert their operands, more than the walk's
+    # per-op rules count (docs/planner.md, Accuracy).
+    mixed_precision_factor: float | None = None
     # Column buffers of TensorFlow's own (Eigen) Conv3D backward kernels (runtime.onednn false), as a
     # multiple of the largest convolution's patch matrix for one sample (``workspace_reference_bytes``):
     # about 1, those kernels build that matrix a sample or two at a time. oneDNN's build none: a
@@ -169,6 +175,9 @@ def load_calibration() -> Calibration:
             activation_factor=float(data["activation_factor"]),
             recompute_factor=(
                 None if data.get("recompute_factor") is None else float(data["recompute_factor"])
+            ),
+            mixed_precision_factor=(
+                None if data.get("mixed_precision_factor") is None else float(data["mixed_precision_factor"])
             ),
             workspace_factor=float(data["workspace_factor"]),
             parameter_copies=float(data.get("parameter_copies", 0.0)),

@@ -398,6 +398,8 @@ def breakdown_for(
     factor = calibration.activation_factor
     if config.model.recompute and calibration.recompute_factor is not None:
         factor = calibration.recompute_factor
+    if mixed and calibration.mixed_precision_factor is not None:
+        factor *= calibration.mixed_precision_factor
     activations = int(factor * kept)
     # The transient part of the peak: activation gradients (and a rebuilt block) alive with the kept
     # tensors at the backward peak; with TensorFlow's own Conv3D kernels their per-sample column buffer,
