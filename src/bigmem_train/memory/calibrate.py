@@ -261,7 +261,12 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
     Each job is weighted by 1 / its measured peak, so the fit minimises relative errors, as the planner is
     judged (and as a margin is set): unweighted, the 8 GiB jobs set every constant and the 0.8 GiB ones
     take what is left. Leaving each calibration job out in turn and predicting it from the others, the mean
-    absolute error was 3.9 % weighted against 4.5 % unweighted (40 runs, 2 December 2026).
+    absolute error was 3.9 % weighted against 4.5 % unweighted (40 runs on the EPYC, 1 December 2026); on
+    the Xeon runs with checkpoints streamed to disk, 2.7 % weighted (each job's worse run, 2 December).
+
+    Mixed-precision jobs (``runtime.precision`` not float32) fit one constant of their own, with every other
+    as the float32 jobs fixed it: ``mixed_precision_factor``, the multiple of the activation (or recompute)
+    factor their activations and workspace hold.
 
     A slope that comes out negative is pinned to 0 and the others refitted (a factor below zero has no
     physical meaning; it happens when the jobs cannot separate the terms).

@@ -50,8 +50,9 @@ class Calibration:
     # oneDNN off.
     workspace_factor: float = 1.0
     # Float32 copies of each trainable parameter a whole run holds beyond the weights, their gradients and
-    # Adam's two slots: the model state serialized by the checkpoint callbacks (last, best, and
-    # BackupAndRestore's), oneDNN's reordered weights. Fitted on whole runs (model 4); 0 before.
+    # Adam's two slots: oneDNN's reordered weights, Adam's update temporaries (and, until model 6, Keras'
+    # checkpoint writer's staging buffers: 7.0 copies then, 0.6 with checkpoints streamed to disk).
+    # Fitted on whole runs (model 4); 0 before.
     parameter_copies: float = 0.0
     # Resident bytes per convolution layer that do not grow with the batch or the shape: oneDNN's cached
     # primitives (JIT code, reordered weights, per-primitive buffers for forward, input and filter
@@ -136,8 +137,10 @@ PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
 # whole runs (``calibrate.measure_run``: reader, validation, checkpoints, TensorBoard, sampler) instead of a
 # bare ``model.fit`` on in-memory data, so its baseline holds what a run adds to the training step; 5 counts
 # batch normalization's backward transients (``estimate.BATCH_NORM_BACKWARD_TRANSIENTS``), which model 4's
-# activation factor had absorbed (1.089 -> 1.023 on the same runs), and what a recomputed block rebuilds.
-MODEL_VERSION = 5
+# activation factor had absorbed (1.089 -> 1.023 on the same runs), and what a recomputed block rebuilds;
+# 6 is fitted on runs whose checkpoints are streamed to disk (checkpoints.py: Keras' writer staged each file
+# in memory, most of model 5's 7 parameter copies) and has a factor for mixed precision.
+MODEL_VERSION = 6
 
 
 def _model_version(data: dict[str, Any]) -> int:
