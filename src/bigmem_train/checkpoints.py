@@ -6,8 +6,8 @@ a model of P float32 parameters with Adam that is about 3 x P x 4 B staged, grow
 its copy, twice an epoch (last and best). Those buffers are freed again, but the allocator's heap keeps
 them, and where they lie decides how much of it the next training step can reuse: the same job's peak
 then varies from one process to the next. Measured (docs/planner.md, ``benchmarks/checkpoint_spread.py``):
-a 12.7 M-parameter job (64x48x48, batch 2, 24 filters, depth 4) peaked at 1.46-1.66 GiB in five runs with
-Keras' writer and at 1.35-1.40 GiB in five alternating runs with this one, at the same step time.
+a 12.7 M-parameter job (64x48x48, batch 2, 24 filters, depth 4) peaked at 1.48-1.75 GiB in five runs with
+Keras' writer and at 1.34-1.37 GiB in five alternating runs with this one, at the same step time.
 
 Here Keras writes the model unzipped into a temporary directory next to the target (HDF5 writes each
 variable to the file as it goes), the directory is zipped into ``<name>.partial`` in 8 KiB pieces
