@@ -34,6 +34,11 @@ def save_model_file(model, path: Path) -> None:
     if path.suffix != ".keras":
         raise ValueError(f"a model checkpoint is a .keras file, not {path.name}")
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.*"):  # what a save killed midway left behind
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     partial = path.with_name(f".{path.name}.partial")
     try:

@@ -127,7 +127,7 @@ def test_killed_run_resumes_instead_of_restarting(tiny_job, tmp_path):
     with open(run_dir / "history.csv") as handle:
         epochs = [int(row["epoch"]) for row in csv.DictReader(handle)]
     # Resumed: every epoch once, in order; a restart would log epoch 0 again.
-    assert epochs == list(range(5)), epochs
+    assert epochs == list(range(5)), (epochs, result.stdout[-2000:], result.stderr[-2000:])
     with open(run_dir / "steps.csv") as handle:
         second_session_epochs = {
             int(row["epoch"]) for row in csv.DictReader(handle) if float(row["time_unix"]) > killed_time

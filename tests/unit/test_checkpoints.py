@@ -57,6 +57,15 @@ def test_failed_save_keeps_the_previous_checkpoint_and_leaves_nothing(tmp_path, 
     assert [p.name for p in tmp_path.iterdir()] == ["last.keras"]
 
 
+def test_what_a_killed_save_left_is_cleared_by_the_next(tmp_path):
+    model, _ = trained_model()
+    (tmp_path / ".last.keras.k1ll3d" / "model").mkdir(parents=True)
+    (tmp_path / ".last.keras.partial").write_bytes(b"half a zip")
+    (tmp_path / ".best.keras.other").mkdir()  # another checkpoint's: not this save's to clear
+    save_model_file(model, tmp_path / "last.keras")
+    assert {p.name for p in tmp_path.iterdir()} == {"last.keras", ".best.keras.other"}
+
+
 def test_best_only_saves_on_improvement_only(tmp_path):
     model, _ = trained_model()
     path = tmp_path / "best.keras"
