@@ -346,43 +346,37 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
         live = [column for _, column, _ in recomputed]
         rests = [target - known for (_, _, target), known in zip(recomputed, fixed)]
         recompute_factor = round(sum(a * b for a, b in zip(live, rests)) / sum(a * a for a in live), 4)
-    # The mixed-precision factor on the mixed jobs alone, every other constant as fixed above: the ratio of
-    # what their activations and workspace really hold to what the float32-fitted factor gives them.
-    mixed_factor = None
-    if mixed:
-        fixed = Calibration(
-            runtime_baseline_bytes=int(values[0]),
-            activation_factor=values.get(1, 0.0),
-            recompute_factor=recompute_factor,
-            workspace_factor=values.get(2, 0.0),
-            parameter_copies=values.get(3, 0.0),
-            per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
-        )
-        scaled, rests = [], []
-        for config, measured in mixed:
-            planned = sum(estimate(config, fixed).values())
-            # What the factor scales: the plan with it doubled, less the plan with it at 1.
-            live = (
-                sum(estimate(config, dataclasses.replace(fixed, mixed_precision_factor=2.0)).values())
-                - planned
-            )
-            scaled.append(live / measured)
-            rests.append((measured - (planned - live)) / measured)
-        mixed_factor = round(sum(a * b for a, b in zip(scaled, rests)) / sum(a * a for a in scaled), 4)
     # Under oneDNN the column buffer cannot be measured: keep the built-in factor (about one sample's
     # patch matrix) for plans of jobs that switch oneDNN off, rather than a 0 that was never measured.
     workspace = round(values.get(2, 0.0), 4) if 2 in measurable else Calibration.workspace_factor
-    return Calibration(
+    fitted = Calibration(
         runtime_baseline_bytes=int(values[0]),
         activation_factor=round(values.get(1, 0.0), 4),
         # Without recomputed jobs there is nothing to fit: such plans use the activation factor.
         recompute_factor=recompute_factor,
-        mixed_precision_factor=mixed_factor,
         workspace_factor=workspace,
         parameter_copies=round(values.get(3, 0.0), 3),
         per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
         file_backed_bytes=file_backed,
     )
+    if not mixed:
+        return fitted  # without mixed-precision jobs such plans use the float32 factors
+    return dataclasses.replace(fitted, mixed_precision_factor=_mixed_precision_factor(fitted, mixed))
+
+
+def _mixed_precision_factor(fitted: Calibration, mixed: list[tuple[Config, int]]) -> float:
+    """The mixed-precision factor on the mixed jobs alone, every other constant as ``fitted`` (the float32
+    jobs) has it: least squares, in fractions of each job's peak, of what their activations and workspace
+    really hold against what the float32 factors give them."""
+    scaled, rests = [], []
+    for config, measured in mixed:
+        planned = sum(estimate(config, fitted).values())
+        # What the factor scales: the plan with it doubled, less the plan with it at 1.
+        doubled = sum(estimate(config, dataclasses.replace(fitted, mixed_precision_factor=2.0)).values())
+        live = doubled - planned
+        scaled.append(live / measured)
+        rests.append((measured - (planned - live)) / measured)
+    return round(sum(a * b for a, b in zip(scaled, rests)) / sum(a * a for a in scaled), 4)
 
 
 def runtime_record(config: Config, measured: dict[str, Any]) -> dict[str, Any]:
