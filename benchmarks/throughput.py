@@ -80,6 +80,8 @@ LEVERS = {
     # without them it changes nothing. Numerics change (like TF32 on GPUs): opt-in, measured on its own.
     "oneDNN fpmath bf16 (ONEDNN_DEFAULT_FPMATH_MODE=BF16)": {"env": {"ONEDNN_DEFAULT_FPMATH_MODE": "BF16"}},
     "tensor allocator: TensorFlow's BFC pool": {"tensor_allocator": "bfc"},
+    # The kit builds batch normalization on TensorFlow's fused kernel (norm.py); this is Keras' own layer.
+    "batch norm: Keras' unfused layer": {"env": {"BIGMEM_BATCH_NORM": "keras"}},
 }
 
 

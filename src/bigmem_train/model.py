@@ -6,11 +6,24 @@ stride 2 up, concatenated with the skip; a 1x1x1 Conv3D with sigmoid (one class)
 
 from __future__ import annotations
 
+import os
+
 import keras
 from keras import layers, ops
 
 from .config import Config, ModelConfig
 from .conv import ChunkedConv3D, conv3d_for
+from .norm import FusedBatchNormalization
+
+# For benchmarks only (benchmarks/throughput.py's lever): "keras" builds Keras' own unfused batch normalization,
+# as a plain Keras script has, to measure the fused layer on its own.
+BATCH_NORM_ENVIRONMENT = "BIGMEM_BATCH_NORM"
+
+
+def _batch_norm(**kwargs) -> layers.BatchNormalization:
+    if os.environ.get(BATCH_NORM_ENVIRONMENT) == "keras":
+        return layers.BatchNormalization(**kwargs)
+    return FusedBatchNormalization(**kwargs)
 
 
 def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool = False):
@@ -23,9 +36,7 @@ def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool
         if batch_norm:
             # Momentum 0.9 rather than Keras' 0.99: with batches of 1-16 volumes and runs of tens to
             # hundreds of steps, the moving statistics used for validation must catch up quickly.
-            x = layers.BatchNormalization(momentum=0.9, synchronized=synchronized, name=f"{name}_bn{index}")(
-                x
-            )
+            x = _batch_norm(momentum=0.9, synchronized=synchronized, name=f"{name}_bn{index}")(x)
         x = layers.Activation("relu", name=f"{name}_relu{index}")(x)
     return x
 
@@ -74,9 +85,7 @@ class RecomputedBlock(layers.Layer):
             )
             if batch_norm:
                 self.norms.append(
-                    layers.BatchNormalization(
-                        momentum=0.9, synchronized=synchronized, name=f"{self.name}_bn{index}"
-                    )
+                    _batch_norm(momentum=0.9, synchronized=synchronized, name=f"{self.name}_bn{index}")
                 )
 
     def build(self, input_shape):
