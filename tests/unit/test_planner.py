@@ -89,23 +89,53 @@ def test_mixed_bfloat16_keeps_less_but_not_half(tables):
     assert 0.5 * f32 < bf16 < 0.9 * f32
 
 
-def test_mixed_batch_norm_backward_holds_float32_gradients(tables, monkeypatch):
-    """Under mixed_bfloat16, batch normalization's backward holds its gradients in float32 (Keras runs the
-    layer in float32): the backward peak holds one more float32 tensor of a batch norm's input than the
-    bf16 gradients alone would, and float32 plans do not change."""
+@pytest.mark.parametrize(
+    "fused, constant, copies",
+    [
+        (True, "MIXED_FUSED_BATCH_NORM_GRADIENT_COPIES", 2),  # the kit's fused layer (norm.py)
+        (False, "MIXED_BATCH_NORM_GRADIENT_COPIES", 1),  # Keras' own layer (multi-worker jobs)
+    ],
+)
+def test_mixed_batch_norm_backward_holds_float32_gradients(tables, monkeypatch, fused, constant, copies):
+    """Under mixed_bfloat16, batch normalization's backward holds its gradients in float32 (both layers
+    compute in float32): the backward peak holds that many more float32 tensors of a batch norm's input than
+    the bf16 gradients alone would, and float32 plans do not change."""
     config = study(**{"runtime.precision": "mixed_bfloat16", "training.batch_size": 1})
     table = layers.expand_recomputed_blocks(
         recorded_table("unet_depth4_filters16_mixed_bfloat16"), config.model.batch_norm
     )
     shape = tuple(config.data.input_shape)
-    with_copies = estimate.backward_live_bytes(table, 1, shape, False)[1]
+    with_copies = estimate.backward_live_bytes(table, 1, shape, False, fused)[1]
     float32_table = recorded_table("unet_depth4_filters16_float32")
-    float32_peak = estimate.backward_live_bytes(float32_table, 1, shape, False)[1]
-    monkeypatch.setattr(estimate, "MIXED_BATCH_NORM_GRADIENT_COPIES", 0)
-    without = estimate.backward_live_bytes(table, 1, shape, False)[1]
+    float32_peak = estimate.backward_live_bytes(float32_table, 1, shape, False, fused)[1]
+    monkeypatch.setattr(estimate, constant, 0)
+    without = estimate.backward_live_bytes(table, 1, shape, False, fused)[1]
     full_resolution_bn_input = 240 * 240 * 144 * 16 * 4  # the first block's batch norms: 16 channels
-    assert with_copies - without == full_resolution_bn_input
-    assert estimate.backward_live_bytes(float32_table, 1, shape, False)[1] == float32_peak
+    # The copies are counted at each batch norm's backward: the peak rises by them where a full-resolution
+    # batch norm's backward is the peak (Keras' layer, whose transients put it there), by less elsewhere.
+    assert 0 < with_copies - without <= copies * full_resolution_bn_input
+    if not fused:
+        assert with_copies - without == copies * full_resolution_bn_input
+    assert estimate.backward_live_bytes(float32_table, 1, shape, False, fused)[1] == float32_peak
+
+
+def test_fused_batch_norm_holds_fewer_backward_transients(tables):
+    """Keras' unfused layer (multi-worker jobs) holds two more float32 tensors of its input in its backward
+    than the kit's fused one; the planner plans each job with the layer it will run."""
+    table = recorded_table("unet_depth4_filters16_float32")
+    shape = (240, 240, 144)
+    fused = estimate.backward_live_bytes(table, 1, shape, False, fused_batch_norm=True)[1]
+    unfused = estimate.backward_live_bytes(table, 1, shape, False, fused_batch_norm=False)[1]
+    # Two tensors less at each batch norm's backward; the peak moves to where another layer's backward is.
+    assert 0 < unfused - fused <= 2 * 240 * 240 * 144 * 16 * 4
+    one = {"training.batch_size": 1}
+    single = estimate.estimate(study(**one), CALIBRATION)["workspace"]
+    workers = estimate.estimate(study(**one, **{"training.strategy": "multi_worker"}), CALIBRATION)[
+        "workspace"
+    ]
+    assert workers - single == int(CALIBRATION.activation_factor * unfused) - int(
+        CALIBRATION.activation_factor * fused
+    )
 
 
 def test_recompute_keeps_only_block_boundaries(tables):

@@ -44,7 +44,11 @@ LOSS_KEPT_TENSORS = 7
 # AddN. Measured (benchmarks/planner_layer_probe.py --layers bn,conv,relu, 128^3 x 16 channels, ops
 # inline): one layer's forward + backward rises by 4 tensors of its input's size at batch 1 and 4-5 at
 # batch 2, where the output gradient + input gradient (+ the output, freed after the loss) are 2-3.
+# The kit's layer (norm.py, TensorFlow's fused kernel) holds none: its forward + backward rises by 2 tensors
+# at batch 1 and 2 (256 and 512 MiB at 128^3 x 16, BIGMEM_BATCH_NORM=keras: 512 and 1024), the two gradients.
+# Keras' layer is still what multi-worker jobs run (batch statistics synchronized across workers).
 BATCH_NORM_BACKWARD_TRANSIENTS = 2
+FUSED_BATCH_NORM_BACKWARD_TRANSIENTS = 0
 
 # Under a mixed policy Keras 3 runs batch normalization in float32 (its input cast up, its output cast
 # down), so its backward casts the output gradient up to float32 and computes the input gradient in float32
@@ -52,7 +56,10 @@ BATCH_NORM_BACKWARD_TRANSIENTS = 2
 # dtype (2 B), one more float32 tensor of the input's size. Measured (benchmarks/planner_layer_probe.py
 # --layers bn --precision mixed_bfloat16, 160x160x128 x 16 channels, 200 MiB per float32 sample): one
 # layer's forward + backward rose by 1000 MiB in bf16 against 800 MiB in float32 at batch 1.
+# The fused layer computes in float32 likewise; its forward + backward rose by 576 and 896 MiB at batch 1 and
+# 2 (128^3 x 16, 128 MiB per float32 sample), 2 float32 tensors above its float32 run on average.
 MIXED_BATCH_NORM_GRADIENT_COPIES = 1
+MIXED_FUSED_BATCH_NORM_GRADIENT_COPIES = 2
 
 # Adam keeps two float32 slots (first and second moment) per trainable weight.
 ADAM_SLOTS = 2
@@ -95,8 +102,8 @@ def kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int,
     - Conv3D / Conv3DTranspose keep their input (filter gradient), in the layer's compute dtype (a cast
       copy when the producer's dtype differs, e.g. the float32 input under mixed_bfloat16); a fused
       sigmoid/softmax keeps the layer's output.
-    - BatchNormalization (Keras 3, unfused: tf.nn.moments + tf.nn.batch_normalization) keeps its input in
-      float32 (a float32 copy under mixed_bfloat16); the output is transient.
+    - BatchNormalization (the kit's fused layer and Keras 3's unfused one alike) keeps its input in float32
+      (a float32 copy under mixed_bfloat16); the output is transient.
     - ReLU, sigmoid, softmax keep their output; MaxPool3D keeps its input and output; Concatenate and
       UpSampling keep nothing.
     """
@@ -157,7 +164,11 @@ def _recomputed_internals(table: list[dict[str, Any]], kept: KeptTensors) -> dic
 
 
 def backward_live_bytes(
-    table: list[dict[str, Any]], batch: int, shape: tuple[int, int, int], recompute: bool
+    table: list[dict[str, Any]],
+    batch: int,
+    shape: tuple[int, int, int],
+    recompute: bool,
+    fused_batch_norm: bool = True,
 ) -> tuple[int, int]:
     """(bytes kept for backward incl. the loss's, largest bytes of activations and activation gradients
     alive at once during backward), by walking the backward pass layer by layer.
@@ -166,6 +177,7 @@ def backward_live_bytes(
     for each input (a tensor read by several layers sums its gradients, one extra buffer while adding);
     the gradient of a layer's output is freed after its backward, a kept tensor after the last backward
     that reads it. Under recomputation a block's internals are rebuilt while its layers run backward.
+    ``fused_batch_norm``: the kit's batch normalization (norm.py) rather than Keras' unfused layer.
     """
     rows = {row["name"]: row for row in table}
     kept = kept_tensors(table, batch, shape)
@@ -202,9 +214,11 @@ def backward_live_bytes(
                 gradients[name] = gradient_bytes(producer)
         adding += _chunk_copies(row, rows, batch, shape)
         if row["kind"] == "BatchNormalization":
-            copies = BATCH_NORM_BACKWARD_TRANSIENTS
-            if row["dtype"] != "float32":
-                copies += MIXED_BATCH_NORM_GRADIENT_COPIES
+            mixed = row["dtype"] != "float32"
+            if fused_batch_norm:
+                copies = FUSED_BATCH_NORM_BACKWARD_TRANSIENTS + mixed * MIXED_FUSED_BATCH_NORM_GRADIENT_COPIES
+            else:
+                copies = BATCH_NORM_BACKWARD_TRANSIENTS + mixed * MIXED_BATCH_NORM_GRADIENT_COPIES
             adding += copies * _elements(rows[row["inputs"][0]], batch, shape) * 4
         peak = max(peak, sum(alive.values()) + sum(gradients.values()) + adding)
         gradients.pop(row["name"], None)
@@ -394,7 +408,9 @@ def breakdown_for(
     weights = (trainable + non_trainable) * 4 + (trainable * 2 if mixed else 0)
     gradients = trainable * 4 + (trainable * 2 if mixed else 0)
     optimizer_slots = trainable * 4 * ADAM_SLOTS
-    kept, live = backward_live_bytes(table, batch, shape, config.model.recompute)
+    # Multi-worker jobs synchronize batch statistics across workers: Keras' unfused layer (norm.py).
+    fused = config.training.strategy != "multi_worker"
+    kept, live = backward_live_bytes(table, batch, shape, config.model.recompute, fused_batch_norm=fused)
     factor = calibration.activation_factor
     if config.model.recompute and calibration.recompute_factor is not None:
         factor = calibration.recompute_factor

@@ -73,7 +73,10 @@ def layer_table_from_keras(config: Config) -> list[dict[str, Any]]:
         table.append(
             {
                 "name": layer.name,
-                "kind": type(layer).__name__,
+                # The kit's fused batch normalization is Keras' layer to the planner's rules (estimate.py).
+                "kind": "BatchNormalization"
+                if isinstance(layer, keras.layers.BatchNormalization)
+                else type(layer).__name__,
                 "inputs": inputs,
                 "divisor": [build // int(size) for build, size in zip(build_shape, spatial)],
                 "channels": int(output.shape[-1]),
