@@ -127,12 +127,11 @@ class RuntimeConfig(_Section):
     intra_op_threads: int | None = Field(None, ge=1, le=4096)
     # Ops run side by side; null = chosen for the host. Not used while inline_ops runs the ops.
     inter_op_threads: int | None = Field(None, ge=1, le=64)
-    # Run the graph's ops one after another in the calling thread (TensorFlow's inter-op parallelism -1):
-    # the order ops run in, and so what is alive at the peak, is then the same in every run. With an
-    # inter-op pool the calling thread and the pool run two ops at once in an order that varies: the study's
-    # tile peaked at 10.20, 10.26 and 11.66 GiB in three runs of one config, and at 10.64 GiB (+-0.05 %)
-    # in three inline runs, at the same step time (docs/planner.md). A multi-worker job keeps the pool
-    # (its collective ops need it).
+    # TensorFlow's inter-op parallelism -1 ("run the ops in the calling thread"; under TensorFlow 2.21's
+    # function executor two threads still run ops, partly side by side: docs/planner.md, Accuracy). With an
+    # inter-op pool the study's tile peaked at 10.20, 10.26 and 11.66 GiB in three runs of one config, and
+    # at 10.64 GiB (+-0.05 %) in three runs with this, at the same step time (docs/planner.md). A
+    # multi-worker job keeps the pool (its collective ops need it).
     inline_ops: bool = True
     # "float32" or Keras mixed precision "mixed_bfloat16".
     precision: Literal["float32", "mixed_bfloat16"] = "float32"

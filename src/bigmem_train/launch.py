@@ -79,7 +79,10 @@ def runtime_environment(config: Config, environment: dict[str, str] | None = Non
     return environment
 
 
-# TensorFlow's inter-op parallelism that runs every op in the calling thread, one after another.
+# TensorFlow's inter-op parallelism -1, documented as running the ops in the calling thread. Under TensorFlow
+# 2.21's function executor the ops of a training step still ran on two threads, partly side by side (profiler
+# trace, docs/planner.md, Accuracy); the setting is kept for what was measured with it: the study's tile
+# peaked the same in three runs (10.637-10.642 GiB) where an inter-op pool gave 10.20-11.66 GiB.
 INLINE_OPS = -1
 
 
@@ -87,10 +90,9 @@ def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = Non
     """Intra-op threads: configured, else the physical cores we may run on. Inter-op: ``INLINE_OPS``
     (-1) under runtime.inline_ops for a single-host job, else configured, else 1.
 
-    One op at a time keeps every core on the convolution at hand: the U-Net is a chain of large ops with
-    little to overlap, and two ops side by side would split the cores and the caches. Inline (rather than
-    one pool thread, which still runs beside the calling thread) also fixes the order ops run in, and with
-    it what is alive at the peak: the same job peaks the same in every run.
+    The U-Net is a chain of large ops with little to overlap; every op uses all the intra-op threads.
+    ``INLINE_OPS`` is the setting whose whole runs repeated best (its comment says what it does and does not
+    do); one inter-op thread runs the ops strictly one at a time but repeated no better (docs/planner.md).
     """
     intra = config.runtime.intra_op_threads
     if intra is None:
