@@ -57,7 +57,7 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int, precisi
     import tensorflow as tf
 
     from bigmem_train.memory.calibrate import status_bytes, tcmalloc_stats
-    from bigmem_train.model import _batch_norm
+    from bigmem_train.model import batch_norm_layer
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
     # As a single-host run does: every op inline in the calling thread (launch.INLINE_OPS).
@@ -74,7 +74,7 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int, precisi
             y = keras.layers.Conv3D(channels, 3, padding="same")(y)
         if kind in ("bn", "conv_bn_relu"):
             # The kit's batch normalization (fused kernel, norm.py) unless BIGMEM_BATCH_NORM=keras.
-            y = _batch_norm()(y)
+            y = batch_norm_layer()(y)
         if kind in ("relu", "conv_bn_relu"):
             y = keras.layers.Activation("relu")(y)
         if kind == "pool":

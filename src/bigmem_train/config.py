@@ -256,6 +256,12 @@ class Config(_Section):
         a single-host job; a multi-worker one keeps its inter-op pool, which its collective ops need."""
         return self.runtime.inline_ops and self.training.strategy == "single"
 
+    @property
+    def synchronized_batch_norm(self) -> bool:
+        """Whether batch normalization takes its statistics over the global batch of all workers (a
+        multi-worker job): Keras' own layer then, not the fused kernel (norm.py), and planned as such."""
+        return self.training.strategy == "multi_worker"
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
         divisor = 2**self.model.depth

@@ -20,7 +20,8 @@ from .norm import FusedBatchNormalization
 BATCH_NORM_ENVIRONMENT = "BIGMEM_BATCH_NORM"
 
 
-def _batch_norm(**kwargs) -> layers.BatchNormalization:
+def batch_norm_layer(**kwargs) -> layers.BatchNormalization:
+    """The kit's batch normalization (the fused kernel, norm.py), or Keras' own under BATCH_NORM_ENVIRONMENT."""
     if os.environ.get(BATCH_NORM_ENVIRONMENT) == "keras":
         return layers.BatchNormalization(**kwargs)
     return FusedBatchNormalization(**kwargs)
@@ -36,7 +37,7 @@ def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool
         if batch_norm:
             # Momentum 0.9 rather than Keras' 0.99: with batches of 1-16 volumes and runs of tens to
             # hundreds of steps, the moving statistics used for validation must catch up quickly.
-            x = _batch_norm(momentum=0.9, synchronized=synchronized, name=f"{name}_bn{index}")(x)
+            x = batch_norm_layer(momentum=0.9, synchronized=synchronized, name=f"{name}_bn{index}")(x)
         x = layers.Activation("relu", name=f"{name}_relu{index}")(x)
     return x
 
@@ -85,7 +86,7 @@ class RecomputedBlock(layers.Layer):
             )
             if batch_norm:
                 self.norms.append(
-                    _batch_norm(momentum=0.9, synchronized=synchronized, name=f"{self.name}_bn{index}")
+                    batch_norm_layer(momentum=0.9, synchronized=synchronized, name=f"{self.name}_bn{index}")
                 )
 
     def build(self, input_shape):
@@ -258,7 +259,7 @@ def compile_model(config: Config) -> keras.Model:
         config.model,
         config.data.input_shape,
         config.num_channels,
-        synchronized_batch_norm=config.training.strategy == "multi_worker",
+        synchronized_batch_norm=config.synchronized_batch_norm,
     )
     model.compile(
         optimizer=keras.optimizers.Adam(config.training.learning_rate),

@@ -408,9 +408,9 @@ def breakdown_for(
     weights = (trainable + non_trainable) * 4 + (trainable * 2 if mixed else 0)
     gradients = trainable * 4 + (trainable * 2 if mixed else 0)
     optimizer_slots = trainable * 4 * ADAM_SLOTS
-    # Multi-worker jobs synchronize batch statistics across workers: Keras' unfused layer (norm.py).
-    fused = config.training.strategy != "multi_worker"
-    kept, live = backward_live_bytes(table, batch, shape, config.model.recompute, fused_batch_norm=fused)
+    kept, live = backward_live_bytes(
+        table, batch, shape, config.model.recompute, fused_batch_norm=not config.synchronized_batch_norm
+    )
     factor = calibration.activation_factor
     if config.model.recompute and calibration.recompute_factor is not None:
         factor = calibration.recompute_factor
