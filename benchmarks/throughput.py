@@ -56,6 +56,7 @@ def chosen_settings() -> dict:
         "pin": False,
         "precision": config.runtime.precision,
         "recompute": config.model.recompute,
+        "fold_upsampling": config.model.fold_upsampling,
         "xla": config.runtime.xla,
     }
 
@@ -75,6 +76,9 @@ LEVERS = {
     "oneDNN off (Eigen)": {"onednn": False},
     "mixed_bfloat16": {"precision": "mixed_bfloat16"},
     "recompute": {"recompute": True},
+    # The two shallowest decoder levels' transposed convolution, concatenation and first convolution as one
+    # folded transposed convolution (upconv.py, same mathematics; AVX-512 CPUs): the other setting of the two.
+    "fold upsampling (model.fold_upsampling)": {"fold_upsampling": not CHOSEN["fold_upsampling"]},
     "XLA jit_compile": {"xla": True},
     # oneDNN lets float32 convolutions compute in bfloat16 (AMX / AVX512_BF16) when this is set; on CPUs
     # without them it changes nothing. Numerics change (like TF32 on GPUs): opt-in, measured on its own.
@@ -242,6 +246,7 @@ def worker_model(spec: dict) -> dict:
                     "depth": spec["depth"],
                     "base_filters": spec["base_filters"],
                     "recompute": settings["recompute"],
+                    "fold_upsampling": settings.get("fold_upsampling", False),
                 },
                 "training": {"batch_size": batch, "steps_per_epoch": warmup + steps},
                 "runtime": runtime,

@@ -101,6 +101,10 @@ class ModelConfig(_Section):
     batch_norm: bool = True
     # Gradient recomputation: keep only each level's input for backward and recompute the rest.
     recompute: bool = False
+    # The two shallowest decoder levels' upsampling, concatenation and first convolution as one folded
+    # transposed convolution (upconv.py): the same mathematics, fewer multiply-adds and less memory.
+    # Applies to transpose upsampling without recompute, on CPUs with AVX-512; elsewhere the model is unfolded.
+    fold_upsampling: bool = True
 
 
 class TrainingConfig(_Section):

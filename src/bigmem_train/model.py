@@ -2,6 +2,8 @@
 
 Per level: (Conv3D 3x3x3 -> BatchNorm -> ReLU) x 2; MaxPool3D 2x2x2 down; Conv3DTranspose 2x2x2
 stride 2 up, concatenated with the skip; a 1x1x1 Conv3D with sigmoid (one class) or softmax out.
+With ``model.fold_upsampling`` the two shallowest decoder levels' transposed convolution, concatenation and
+first convolution are one ``upconv.FoldedUpConv`` (same mathematics).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from keras import layers, ops
 from .config import Config, ModelConfig
 from .conv import ChunkedConv3D, conv3d_for
 from .norm import FusedBatchNormalization
+from .upconv import FoldedUpConv, folds_level
 
 # For benchmarks only (benchmarks/throughput.py's lever): "keras" builds Keras' own unfused batch normalization,
 # as a plain Keras script has, to measure the fused layer on its own.
@@ -27,13 +30,15 @@ def batch_norm_layer(**kwargs) -> layers.BatchNormalization:
     return FusedBatchNormalization(**kwargs)
 
 
-def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool = False):
+def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool = False, first: int = 1):
+    """(Conv3D -> BatchNorm -> ReLU) x 2; ``first`` = 2: ``x`` is already the first convolution's output."""
     for index in (1, 2):
         # Past oneDNN's gemm scratchpad limit a ChunkedConv3D (same mathematics) keeps the filter gradient off
         # the reference kernel (conv.py); below it the plain Keras layer.
-        x = conv3d_for(
-            x.shape, filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}"
-        )(x)
+        if index >= first:
+            x = conv3d_for(
+                x.shape, filters, 3, padding="same", use_bias=not batch_norm, name=f"{name}_conv{index}"
+            )(x)
         if batch_norm:
             # Momentum 0.9 rather than Keras' 0.99: with batches of 1-16 volumes and runs of tens to
             # hundreds of steps, the moving statistics used for validation must catch up quickly.
@@ -182,6 +187,11 @@ def build_unet(
                 upsampling=model_config.upsampling,
                 name=f"up{level}",
             )([x, skips[level]])
+            continue
+        if folds_level(level, model_config.fold_upsampling, model_config.upsampling, recompute):
+            # Transposed convolution, concatenation and first convolution as one (upconv.py).
+            x = FoldedUpConv(filters, use_bias=not batch_norm, name=f"up{level}_conv1")([x, skips[level]])
+            x = _conv_block(x, filters, batch_norm, f"up{level}", synchronized_batch_norm, first=2)
             continue
         if model_config.upsampling == "transpose":
             x = layers.Conv3DTranspose(filters, 2, strides=2, padding="same", name=f"up{level}_transpose")(x)

@@ -288,12 +288,19 @@ def test_plan_records_the_placement(tables):
 
 
 @pytest.mark.slow
-def test_recorded_tables_match_the_model():
+@pytest.mark.parametrize("fold", [False, True])
+def test_recorded_tables_match_the_model(fold, monkeypatch):
     # The recorded tables stand in for model.build_unet in the fast tests; this builds the model (imports
     # TensorFlow) and checks they still describe it. Re-record with layers.layer_table_from_keras if not.
-    config = load_config("study", {"model.depth": 3, "model.base_filters": 8})
+    # The folded table is the model on a CPU with AVX-512 (upconv.fold_available), whatever this host has.
+    from bigmem_train import conv
+
+    monkeypatch.setattr(conv, "filter_gradient_runs_gemm", lambda *args: False)
+    config = load_config("study", {"model.depth": 3, "model.base_filters": 8, "model.fold_upsampling": fold})
     fresh = layers.layer_table_from_keras(config)
-    assert fresh == recorded_table("unet_depth3_filters8_float32")
+    assert fresh == recorded_table("unet_depth3_filters8_float32" + ("_folded" if fold else ""))
+    folded = [row["name"] for row in fresh if row["kind"] == estimate.FOLDED_KIND]
+    assert folded == (["up1_conv1", "up0_conv1"] if fold else [])
 
 
 def test_recomputed_blocks_expand_to_the_plain_layers():
@@ -508,10 +515,12 @@ def test_the_onednn_scratchpad_counts_only_where_onednn_runs_its_gemm_filter_gra
     assert not estimate.onednn_uses_gemm_backward_weights(
         frozenset({"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "amx_bf16"})
     )
+    # One model for both (an AVX2 CPU builds it unfolded: upconv.fold_available).
+    unfolded = {"training.batch_size": 1, "model.fold_upsampling": False}
     monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: True)
-    avx2 = estimate.estimate(study(**{"training.batch_size": 1}), CALIBRATION)
+    avx2 = estimate.estimate(study(**unfolded), CALIBRATION)
     monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: False)
-    avx512 = estimate.estimate(study(**{"training.batch_size": 1}), CALIBRATION)
+    avx512 = estimate.estimate(study(**unfolded), CALIBRATION)
     table = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
     scratchpad = estimate.onednn_scratchpad_bytes(table, 1, (240, 240, 144), threads=os.cpu_count() or 1)
     assert avx2["workspace"] - avx512["workspace"] == scratchpad > 2**30
@@ -520,8 +529,8 @@ def test_the_onednn_scratchpad_counts_only_where_onednn_runs_its_gemm_filter_gra
 def test_the_column_buffer_counts_only_with_tensorflows_own_kernels(tables, monkeypatch):
     monkeypatch.setattr(estimate, "onednn_uses_gemm_backward_weights", lambda: True)  # an AVX2 CPU
     calibration = Calibration(runtime_baseline_bytes=0, activation_factor=1.0, workspace_factor=1.0)
-    onednn = estimate.estimate(study(), calibration)
-    eigen = estimate.estimate(study(**{"runtime.onednn": False}), calibration)
+    onednn = estimate.estimate(study(**{"model.fold_upsampling": False}), calibration)  # unfolded on AVX2
+    eigen = estimate.estimate(study(**{"runtime.onednn": False, "model.fold_upsampling": False}), calibration)
     table = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
     column = estimate.workspace_reference_bytes(table, 16, (240, 240, 144))
     scratchpad = estimate.onednn_scratchpad_bytes(table, 16, (240, 240, 144), threads=os.cpu_count() or 1)

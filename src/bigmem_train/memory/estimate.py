@@ -83,6 +83,8 @@ def _block_of(name: str) -> str:
 
 
 CONVOLUTION_KINDS = {"Conv3D", "Conv3DTranspose", "Conv2D", "Dense"}
+# upconv.FoldedUpConv: a transposed convolution and a convolution in one layer (model.fold_upsampling).
+FOLDED_KIND = "FoldedUpConv"
 
 
 @dataclass
@@ -106,6 +108,8 @@ def kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int,
       (a float32 copy under mixed_bfloat16); the output is transient.
     - ReLU, sigmoid, softmax keep their output; MaxPool3D keeps its input and output; Concatenate and
       UpSampling keep nothing.
+    - FoldedUpConv (upconv.py) keeps both inputs (its skip convolution's and its transposed convolution's
+      filter gradients) and the low-resolution input with its channel of ones appended.
     """
     rows = {row["name"]: row for row in table}
     kept = KeptTensors()
@@ -129,6 +133,15 @@ def kept_tensors(table: list[dict[str, Any]], batch: int, shape: tuple[int, int,
             keep_input(row, row["kernel_dtype"])
             if row["activation"] not in (None, "linear"):
                 keep(row["name"], row, row["dtype"], row["name"])
+        elif kind == FOLDED_KIND:
+            keep_input(row, row["kernel_dtype"])
+            low = rows[row["inputs"][0]]
+            ones = f"{row['name']}:with_ones"
+            kept.sizes[ones] = (
+                _elements(low, batch, shape) * (low["channels"] + 1) // low["channels"]
+            ) * DTYPE_BYTES.get(row["kernel_dtype"], 4)
+            kept.owner[ones] = _block_of(row["name"])
+            kept.readers[ones] = {row["name"]}
         elif kind == "BatchNormalization":
             keep_input(row, "float32")
         elif kind in {"Activation", "ReLU", "Softmax"}:
@@ -388,8 +401,11 @@ def backward_concurrency(config: Config) -> int:
 
 
 def convolution_layers(table: list[dict[str, Any]]) -> int:
-    """How many convolutions the (expanded) model runs: each has its own cached kernels."""
-    return sum(1 for row in table if row["kind"] in CONVOLUTION_KINDS)
+    """How many convolutions the (expanded) model runs: each has its own cached kernels (a FoldedUpConv runs
+    two: its transposed convolution and its skip convolution)."""
+    return sum(1 for row in table if row["kind"] in CONVOLUTION_KINDS) + 2 * sum(
+        1 for row in table if row["kind"] == FOLDED_KIND
+    )
 
 
 def breakdown_for(

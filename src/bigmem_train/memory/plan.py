@@ -179,12 +179,16 @@ def _unreachable_target(config, sized, table, calibration, workers, peak, target
     batch = sized.training.batch_size // workers
     above = sum(breakdown_for(sized, table, calibration, batch + 1, shape).values())
     tolerance = config.footprint.tolerance
+
+    def in_gib(value: float) -> str:  # from the bytes, not from gib()'s 3 decimals (rounded twice)
+        return f"{value / 2**30:.2f}"
+
     return (
         f"footprint.target {format_bytes(target)} cannot be reached within footprint.tolerance "
         f"{tolerance:.0%} (resize: {config.footprint.resize}): input {'x'.join(map(str, shape))} is predicted "
-        f"at {gib(peak):.2f} GiB with batch {batch} and {gib(above):.2f} GiB with batch {batch + 1}"
-        f"{' per worker' if workers > 1 else ''}; set a target between {gib(peak / (1 + tolerance)):.2f} and "
-        f"{gib(peak / (1 - tolerance)):.2f} GiB, or let more change (footprint.resize, model.recompute)"
+        f"at {in_gib(peak)} GiB with batch {batch} and {in_gib(above)} GiB with batch {batch + 1}"
+        f"{' per worker' if workers > 1 else ''}; set a target between {in_gib(peak / (1 + tolerance))} and "
+        f"{in_gib(peak / (1 - tolerance))} GiB, or let more change (footprint.resize, model.recompute)"
     )
 
 
