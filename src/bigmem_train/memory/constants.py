@@ -140,8 +140,10 @@ PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
 # activation factor had absorbed (1.089 -> 1.023 on the same runs), and what a recomputed block rebuilds;
 # 6 is fitted on runs whose checkpoints are streamed to disk (checkpoints.py: Keras' writer staged each file
 # in memory, most of model 5's 7 parameter copies) and has a factor for mixed precision; 7 is fitted on runs
-# whose batch normalization is TensorFlow's fused kernel (norm.py), which holds no backward transients.
-MODEL_VERSION = 7
+# whose batch normalization is TensorFlow's fused kernel (norm.py), which holds no backward transients; 8 on
+# runs whose two shallowest decoder levels are folded (upconv.py, model.fold_upsampling), which keep neither
+# the upsampled tensor nor the concatenation.
+MODEL_VERSION = 8
 
 
 def _model_version(data: dict[str, Any]) -> int:
