@@ -76,9 +76,10 @@ LEVERS = {
     "oneDNN off (Eigen)": {"onednn": False},
     "mixed_bfloat16": {"precision": "mixed_bfloat16"},
     "recompute": {"recompute": True},
-    # The two shallowest decoder levels' transposed convolution, concatenation and first convolution as one
-    # folded transposed convolution (upconv.py, same mathematics; AVX-512 CPUs): the other setting of the two.
-    "fold upsampling (model.fold_upsampling)": {"fold_upsampling": not CHOSEN["fold_upsampling"]},
+    # The kit folds the two shallowest decoder levels' transposed convolution, concatenation and first
+    # convolution into one transposed convolution (upconv.py, same mathematics; AVX-512 CPUs); this is the
+    # unfolded arrangement, as a plain Keras script has it.
+    "upsampling unfolded (model.fold_upsampling: false)": {"fold_upsampling": False},
     "XLA jit_compile": {"xla": True},
     # oneDNN lets float32 convolutions compute in bfloat16 (AMX / AVX512_BF16) when this is set; on CPUs
     # without them it changes nothing. Numerics change (like TF32 on GPUs): opt-in, measured on its own.
