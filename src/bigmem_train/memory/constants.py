@@ -142,8 +142,9 @@ PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
 # in memory, most of model 5's 7 parameter copies) and has a factor for mixed precision; 7 is fitted on runs
 # whose batch normalization is TensorFlow's fused kernel (norm.py), which holds no backward transients; 8 on
 # runs whose two shallowest decoder levels are folded (upconv.py, model.fold_upsampling), which keep neither
-# the upsampled tensor nor the concatenation.
-MODEL_VERSION = 8
+# the upsampled tensor nor the concatenation; 9 on runs whose folded layers run their gradient's four large
+# ops one after another (upconv._folded_sum: side by side, the same job's peak varied by 9 % between runs).
+MODEL_VERSION = 9
 
 
 def _model_version(data: dict[str, Any]) -> int:
