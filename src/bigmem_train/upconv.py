@@ -85,13 +85,13 @@ def _folded_sum(with_ones, skip, folded_kernel, skip_kernel, output_shape):
     ops, and which transients were alive together then varied from run to run."""
     import tensorflow as tf
 
-    strides = [1, 2, 2, 2, 1]
+    strides, unit = [1, 2, 2, 2, 1], [1, 1, 1, 1, 1]
 
     @tf.custom_gradient
     def forward(with_ones, skip, folded_kernel, skip_kernel):
         up = tf.nn.conv3d_transpose(with_ones, folded_kernel, output_shape, strides, "SAME")
         with tf.control_dependencies([up]):
-            outputs = up + tf.nn.conv3d(skip, skip_kernel, [1, 1, 1, 1, 1], "SAME")
+            outputs = up + tf.nn.conv3d(skip, skip_kernel, unit, "SAME")
 
         def gradient(upstream):
             d_with_ones = tf.nn.conv3d(upstream, folded_kernel, strides, "SAME")
@@ -108,7 +108,7 @@ def _folded_sum(with_ones, skip, folded_kernel, skip_kernel, output_shape):
                     input_sizes=tf.shape(skip),
                     filter=skip_kernel,
                     out_backprop=upstream,
-                    strides=[1, 1, 1, 1, 1],
+                    strides=unit,
                     padding="SAME",
                 )
             with tf.control_dependencies([d_skip]):
@@ -116,7 +116,7 @@ def _folded_sum(with_ones, skip, folded_kernel, skip_kernel, output_shape):
                     input=skip,
                     filter_sizes=tf.shape(skip_kernel),
                     out_backprop=upstream,
-                    strides=[1, 1, 1, 1, 1],
+                    strides=unit,
                     padding="SAME",
                 )
             return d_with_ones, d_skip, d_folded, d_skip_kernel
