@@ -124,7 +124,12 @@ def test_preflight_plans_a_multi_worker_job_per_host(tmp_path: Path):
     assert text.count(f"per host: 2 workers, batch {job['batch_size'] // 2} each") == 2, split.stdout[-3000:]
     checked = [float(value) for value in re.findall(r": job ([0-9.]+) GiB \(the planned peak", text)]
     assert len(checked) == 2 and all(abs(value * 2**30 - half) < 0.01 * half for value in checked), checked
-    assert whole > half * 1.8
+    # The share is half the job's activations: the single-process plan of half the batch is a little over
+    # half the whole (the weights and the runtime are not split), and the worker's plan adds only what Keras'
+    # synchronized batch normalization costs over the fused layer.
+    alone = planned_peak({**job, "batch_size": job["batch_size"] // 2})
+    assert 0.5 * whole < alone < 0.6 * whole, (whole, alone)
+    assert alone < half < 1.1 * alone, (alone, half)
 
     single = run_play(tmp_path, job)
     assert single.returncode != 0
