@@ -80,3 +80,46 @@ def test_recomputed_model_saves_and_reloads(tmp_path):
     model.save(tmp_path / "model.keras")
     reloaded = keras.models.load_model(tmp_path / "model.keras", compile=False)
     np.testing.assert_allclose(reloaded(x).numpy(), model(x).numpy(), atol=1e-6)
+
+
+def test_recomputed_block_passes_its_gradient_on_only_after_its_filter_gradients():
+    """The order recompute_in_order adds over tf.recompute_grad: the block's input gradient (what lets the
+    block before it start rebuilding) waits for every filter gradient of the block, and the rebuild waits
+    for the output's gradient."""
+    import tensorflow as tf
+
+    from bigmem_train.model import recompute_in_order
+
+    kernel = tf.Variable(tf.random.normal([3, 3, 3, 2, 2]))
+
+    def forward(x):
+        return tf.nn.relu(tf.nn.conv3d(x, kernel, [1] * 5, "SAME"))
+
+    block = recompute_in_order(forward, tf)
+    x = tf.random.normal([1, 8, 8, 8, 2])
+
+    @tf.function
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            loss = tf.reduce_sum(block(block(x)))
+        return tape.gradient(loss, [x, kernel])
+
+    graph = gradients.get_concrete_function(x).graph
+    # (tf.function's own outputs wait on a NoOp: not these.)
+    waits = [
+        op
+        for op in graph.get_operations()
+        if op.type == "Identity" and op.control_inputs and op.control_inputs[0].type != "NoOp"
+    ]
+    on_filters = [op for op in waits if any("BackpropFilter" in c.type for c in op.control_inputs)]
+    on_upstream = [op for op in waits if not any("BackpropFilter" in c.type for c in op.control_inputs)]
+    assert len(on_filters) == 2, [(op.name, [c.type for c in op.control_inputs]) for op in waits]
+    assert len(on_upstream) == 2, [(op.name, [c.type for c in op.control_inputs]) for op in waits]
+    # And the same gradients as without it.
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        loss = tf.reduce_sum(forward(forward(x)))
+    expected = tape.gradient(loss, [x, kernel])
+    for got, want in zip(gradients(x), expected):
+        tf.debugging.assert_near(got, want, rtol=1e-5, atol=1e-5)
