@@ -47,51 +47,6 @@ def _conv_block(x, filters: int, batch_norm: bool, name: str, synchronized: bool
     return x
 
 
-def recompute_in_order(forward, tf):
-    """``forward`` (tensors -> tensor) whose inner activations are not kept but rebuilt when the gradient
-    reaches it, one block after another.
-
-    ``tf.recompute_grad`` orders the rebuild after the output's gradient only. The gradient it passes to the
-    block before could then leave while this block's filter gradients (and the rebuilt activations they
-    read) were still to run, and TensorFlow's executor, which still runs ops on two threads partly side by
-    side, could rebuild the block before meanwhile: two blocks' rebuilt activations alive at once (one
-    suspect for the recomputed jobs' rare high peaks, docs/planner.md, "Accuracy"). Here the input gradients wait for
-    every filter gradient of the block, and the rebuild waits for the output's gradient (a control
-    dependency, so no copy of the inputs as ``tf.recompute_grad`` makes in a graph). Same mathematics: the
-    gradients equal the plain model's (tests/integration/test_recompute.py).
-    """
-
-    from tensorflow.python.eager import record  # what tf.recompute_grad uses: no public form
-
-    @tf.custom_gradient
-    def block(*tensors):
-        with record.stop_recording():  # an eager outer tape keeps nothing from inside the block
-            outputs = forward(*tensors)
-
-        def gradient(*upstream, variables=None):
-            with tf.control_dependencies(upstream):
-                again = [tf.identity(tensor) for tensor in tensors]
-            weights = list(variables or [])
-            with tf.GradientTape() as tape:
-                tape.watch(again)
-                tape.watch(weights)
-                rebuilt = forward(*again)
-            grads = tape.gradient(
-                rebuilt,
-                again + weights,
-                output_gradients=list(upstream),
-                unconnected_gradients=tf.UnconnectedGradients.ZERO,
-            )
-            input_grads, weight_grads = grads[: len(again)], grads[len(again) :]
-            with tf.control_dependencies(weight_grads):
-                input_grads = [tf.identity(grad) for grad in input_grads]
-            return input_grads, weight_grads
-
-        return outputs, gradient
-
-    return block
-
-
 @keras.saving.register_keras_serializable(package="bigmem_train")
 class RecomputedBlock(layers.Layer):
     """One U-Net block whose inner activations are recomputed during backward instead of kept.
@@ -173,7 +128,7 @@ class RecomputedBlock(layers.Layer):
         inputs = list(inputs) if self.upsample is not None else [inputs]
         # A fixed Python bool: the recomputation runs outside Keras' call context.
         training = bool(training)
-        return recompute_in_order(lambda *tensors: self._forward(tensors, training), tf)(*inputs)
+        return tf.recompute_grad(lambda *tensors: self._forward(tensors, training))(*inputs)
 
     def compute_output_shape(self, input_shape):
         if self.upsample is not None:
