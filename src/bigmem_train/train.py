@@ -235,8 +235,11 @@ def train(
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
     step_timer = StepTimer.create(run_dir / "steps.csv", run_dir / "progress.json", datasets.train_steps)
+    # double_checkpoint: the previous epoch's weights and metadata are kept beside the latest, and Keras falls
+    # back to them when the latest cannot be opened: a run killed while it wrote its backup (a half-written
+    # latest.weights.h5 made the resume crash, CI 3 December) resumes one epoch earlier instead.
     backup = keras.callbacks.BackupAndRestore(
-        str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True
+        str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True, double_checkpoint=True
     )
     probe = MemoryProbe()
     planned_peak = plan.peak_bytes if plan else None

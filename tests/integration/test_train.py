@@ -121,10 +121,13 @@ def test_killed_run_resumes_instead_of_restarting(tiny_job, tmp_path):
     assert json.loads((run_dir / "state.json").read_text())["state"] == "running"
     assert not (run_dir / "verdict.json").exists()
     assert (run_dir / "backup").exists()
+    # The previous epoch's state beside the latest: a kill while the latest was being written resumes from it.
+    assert (run_dir / "backup" / "latest.weights.h5.bkp").exists()
     assert evaluate(run_dir).failed[0].name == "finished"
 
     result = bigmem("run", "--config", tiny_job, "--run-name", "resume", "--set", "training.epochs=5")
     assert result.returncode in (0, 1), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert "resuming from backup" in result.stdout
     with open(run_dir / "history.csv") as handle:
         epochs = [int(row["epoch"]) for row in csv.DictReader(handle)]
