@@ -76,6 +76,8 @@ LEVERS = {
     "oneDNN off (Eigen)": {"onednn": False},
     "mixed_bfloat16": {"precision": "mixed_bfloat16"},
     "recompute": {"recompute": True},
+    # The planner's third lever: both of the above together.
+    "recompute + mixed_bfloat16": {"recompute": True, "precision": "mixed_bfloat16"},
     # The kit folds the two shallowest decoder levels' transposed convolution, concatenation and first
     # convolution into one transposed convolution (upconv.py, same mathematics; AVX-512 CPUs); this is the
     # unfolded arrangement, as a plain Keras script has it.

@@ -19,21 +19,42 @@ from . import layers
 from .estimate import estimate
 from .sizing import largest_batch, largest_shape, with_job_size
 
-# Step time with ``model.recompute`` against without, same job: 1.56x the CPU time per step (96^3, batch 1,
-# 16 filters, depth 4, float32, 2 cores; docs/performance.md, levers table).
+# Step-time factors: the lever's step against the kit's default settings, same job, one process each, side
+# by side (benchmarks/throughput.py --sections levers; docs/performance.md, "Levers"), keyed by how the CPU
+# computes bfloat16 (bf16_kind). On a 2-vCPU Xeon with AMX, quiet (load 0.6-1.9), 3 December 2026, the
+# study's tile (240x240x144 b1, 16 filters, depth 4; 1 warm-up + 2 steps): defaults 10.31 s, mixed_bfloat16
+# 5.84 s, recompute 15.11 s, both 8.63 s; at 96^3 (2 runs of 3 steps each) 0.59x, 1.45x and 0.83x.
+# Recomputation elsewhere: 1.56x the CPU time per step (96^3, batch 1, 16 filters, float32, 2 cores, an
+# earlier session). mixed_bfloat16 with AVX512_BF16 and no AMX: 1.53 vs 2.37 s a step (96^3, 2 vCPUs of
+# an AMD EPYC, quiet); recomputation with it was not measured on such a CPU.
 RECOMPUTE_STEP_FACTOR = 1.56
+STEP_FACTORS: dict[str, dict[str | None, float]] = {
+    "recompute": {"amx": 1.47, "avx512_bf16": RECOMPUTE_STEP_FACTOR, None: RECOMPUTE_STEP_FACTOR},
+    "mixed_bfloat16": {"amx": 0.57, "avx512_bf16": 0.65},
+    "recompute + mixed_bfloat16": {"amx": 0.84},
+}
 # CPU flags of native bfloat16 arithmetic (oneDNN's avx512_core_bf16 and AMX kernels).
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-# Step time with ``runtime.precision: mixed_bfloat16`` against float32, same job, on a CPU with AVX512_BF16
-# and no AMX: 1.53 vs 2.37 s (2.87 vs 4.46 CPU-s) a step (96^3, batch 1, 16 filters, depth 4, 2 vCPUs of
-# an AMD EPYC, quiet; docs/performance.md). Not measured quietly on an AMX CPU, nor combined with recompute.
-BF16_STEP_FACTOR_AVX512 = 0.65
+BF16_STEP_FACTOR_AVX512 = STEP_FACTORS["mixed_bfloat16"]["avx512_bf16"]
+
+
+def bf16_kind(cpu_flags) -> str | None:
+    """How this CPU computes bfloat16: "amx" (AMX tiles), "avx512_bf16" (AVX512_BF16 without AMX) or None."""
+    flags = set(cpu_flags or ())
+    if "amx_bf16" in flags:
+        return "amx"
+    return "avx512_bf16" if "avx512_bf16" in flags else None
+
+
+def step_factor(lever: str, cpu_flags) -> float | None:
+    """The measured step-time factor of ``lever`` (a key of STEP_FACTORS) on a CPU with these flags, or None
+    where it was not measured on a CPU of that kind."""
+    return STEP_FACTORS[lever].get(bf16_kind(cpu_flags))
 
 
 def bf16_step_factor(cpu_flags) -> float | None:
     """The measured step-time factor of mixed_bfloat16 on a CPU with these flags, or None (not measured)."""
-    flags = set(cpu_flags or ())
-    return BF16_STEP_FACTOR_AVX512 if "avx512_bf16" in flags and "amx_bf16" not in flags else None
+    return step_factor("mixed_bfloat16", cpu_flags)
 
 
 @dataclass
@@ -89,7 +110,7 @@ def levers_to_fit(
             (
                 "model.recompute: true",
                 _with(config, recompute=True),
-                RECOMPUTE_STEP_FACTOR,
+                step_factor("recompute", cpu_flags),
                 "gradient recomputation: the same mathematics, each level's forward pass run again",
             )
         )
@@ -107,7 +128,7 @@ def levers_to_fit(
                 (
                     "model.recompute: true and runtime.precision: mixed_bfloat16",
                     _with(config, recompute=True, precision="mixed_bfloat16"),
-                    None,
+                    step_factor("recompute + mixed_bfloat16", cpu_flags),
                     "both of the above",
                 )
             )
