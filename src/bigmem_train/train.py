@@ -27,6 +27,7 @@ from .launch import choose_threads, start_tensorflow
 from .memory.plan import JobPlan
 from .monitor import MemoryProbe, MemorySampler, rss_parts
 from .progress import progress_callback
+from .release import release_callback
 from .rundir import read_history, read_memory_csv, read_step_seconds, write_json
 from .sizes import format_bytes
 
@@ -257,6 +258,10 @@ def train(
     if guard is not None:
         # After the step timer, so the step that tripped it is recorded.
         callbacks.insert(2, guard_callback(guard, backup, config, run_dir.name))
+    # Last of the epoch-end callbacks that allocate (validation, checkpoints, TensorBoard): the pages they
+    # left free go back to the kernel before the next epoch's steps (release.py).
+    if config.runtime.release_between_epochs:
+        callbacks.append(release_callback())
     if is_chief:
         callbacks.append(
             progress_callback(config.training.epochs, datasets.train_steps, plan.peak_bytes if plan else None)
