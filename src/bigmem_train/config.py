@@ -148,11 +148,11 @@ class RuntimeConfig(_Section):
     # 19.6 GiB grew from 17.2 GiB in its first step to over 23 GiB in the next ones (OOM-killed in 4 of 6
     # runs); with "system" the same job held 17.9 GiB (docs/planner.md).
     tensor_allocator: Literal["system", "bfc"] = "system"
-    # Hand the allocator's free pages back to the kernel at the end of every epoch (release.py). Validation
-    # and checkpoints cut the freed heap to their own sizes; without this the study's tile at batch 3 grew by
-    # one full-size batch tensor after its second validation (19.10 -> 20.37 GiB) and held it; with it, 19.62-
-    # 19.67 GiB over 8 epochs. Costs re-faulting the heap once an epoch (about 35 s at 19 GiB on a 2-vCPU VM).
-    release_between_epochs: bool = True
+    # Hand the allocator's free pages back to the kernel at the end of every epoch (release.py). Opt-in: it
+    # kept the study's tile at batch 3 from growing by one full-size tensor after its second validation
+    # (20.40 -> 19.68 GiB over 8 epochs), but the sweep's jobs of 2-12 GiB peaked 3-9 % higher with it in
+    # their second epoch, and it costs re-faulting the heap once an epoch (docs/planner.md).
+    release_between_epochs: bool = False
     # oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported). Stock TensorFlow only
     # turns them on for CPUs with AVX512_VNNI/BF16 or AMX; on AVX2 it runs Eigen's convolutions, about
     # 3-4x slower for this model (docs/performance.md), so bigmem-train asks for them explicitly.
