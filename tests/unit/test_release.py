@@ -1,5 +1,7 @@
 """release.py: the allocator's free pages go back to the kernel when asked, for each allocator installed."""
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,9 +43,6 @@ CHILD = textwrap.dedent(
 
 @pytest.mark.parametrize("allocator", ["glibc", "tcmalloc", "jemalloc"])
 def test_free_pages_go_back_to_the_kernel(allocator, tmp_path):
-    import json
-    import os
-
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if allocator != "glibc":
@@ -68,13 +67,7 @@ def test_no_release_for_an_allocator_that_is_not_mapped():
     from bigmem_train.release import release_function
 
     # This process runs on glibc (no LD_PRELOAD in the test run): tcmalloc's entry point is not there.
-    if "tcmalloc" in os_ld_preload():
+    if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):
         pytest.skip("tcmalloc preloaded into the test process")
     assert release_function("tcmalloc") is None
     assert release_function("glibc") is not None
-
-
-def os_ld_preload() -> str:
-    import os
-
-    return os.environ.get("LD_PRELOAD", "")

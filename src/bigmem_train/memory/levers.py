@@ -33,13 +33,11 @@ STEP_FACTORS: dict[str, dict[str | None, float]] = {
     "mixed_bfloat16": {"amx": 0.57, "avx512_bf16": 0.65},
     "recompute + mixed_bfloat16": {"amx": 0.84},
 }
-# CPU flags of native bfloat16 arithmetic (oneDNN's avx512_core_bf16 and AMX kernels).
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-BF16_STEP_FACTOR_AVX512 = STEP_FACTORS["mixed_bfloat16"]["avx512_bf16"]
 
 
 def bf16_kind(cpu_flags) -> str | None:
-    """How this CPU computes bfloat16: "amx" (AMX tiles), "avx512_bf16" (AVX512_BF16 without AMX) or None."""
+    """How this CPU computes bfloat16 natively (oneDNN's AMX and avx512_core_bf16 kernels): "amx",
+    "avx512_bf16" (AVX512_BF16 without AMX) or None (not natively: oneDNN would emulate it)."""
     flags = set(cpu_flags or ())
     if "amx_bf16" in flags:
         return "amx"
@@ -50,11 +48,6 @@ def step_factor(lever: str, cpu_flags) -> float | None:
     """The measured step-time factor of ``lever`` (a key of STEP_FACTORS) on a CPU with these flags, or None
     where it was not measured on a CPU of that kind."""
     return STEP_FACTORS[lever].get(bf16_kind(cpu_flags))
-
-
-def bf16_step_factor(cpu_flags) -> float | None:
-    """The measured step-time factor of mixed_bfloat16 on a CPU with these flags, or None (not measured)."""
-    return step_factor("mixed_bfloat16", cpu_flags)
 
 
 @dataclass
@@ -92,7 +85,7 @@ def _with(config: Config, *, recompute: bool | None = None, precision: str | Non
 
 
 def native_bf16(cpu_flags: list[str] | None) -> bool:
-    return bool(set(cpu_flags or ()) & NATIVE_BF16_FLAGS)
+    return bf16_kind(cpu_flags) is not None
 
 
 def levers_to_fit(
@@ -119,7 +112,7 @@ def levers_to_fit(
             (
                 "runtime.precision: mixed_bfloat16",
                 _with(config, precision="mixed_bfloat16"),
-                bf16_step_factor(cpu_flags),
+                step_factor("mixed_bfloat16", cpu_flags),
                 "bfloat16 activations, float32 weights; this CPU computes bfloat16 natively",
             )
         )
