@@ -73,3 +73,66 @@ def model_checkpoint(filepath: Path, **options):
         if not hasattr(keras.callbacks.ModelCheckpoint, method):  # a Keras that no longer has the hook
             raise RuntimeError(f"keras.callbacks.ModelCheckpoint has no {method}: update checkpoints.py")
     return StreamedModelCheckpoint(str(filepath), **options)
+
+
+def backup_and_restore(backup_dir: Path, **options):
+    """``keras.callbacks.BackupAndRestore`` (a killed run resumes at its last finished epoch) whose backup
+    survives a kill at any instant.
+
+    Keras writes ``latest.weights.h5`` and ``training_metadata.json`` in place: a run killed while it
+    wrote them leaves a half-written file. With ``double_checkpoint`` Keras falls back to the previous
+    epoch's pair, but only when loading raises ``OSError``, and an emptied metadata file raises
+    ``JSONDecodeError`` (a resume crashed on one in CI, stop 28). Here each file of the backup is written
+    beside its target and renamed over it, so a reader sees the old file or the new one, never half of
+    one; and a metadata file that cannot be read (an earlier writer's) is an ``OSError``, so Keras'
+    fallback to the previous epoch applies to it too.
+    """
+    import json
+
+    import keras
+
+    class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
+        def _save_model(self):
+            directory = Path(self.backup_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            weights, metadata = Path(self._weights_path), Path(self._training_metadata_path)
+            if self.double_checkpoint:
+                for source, target in (
+                    (weights, Path(self._prev_weights_path)),
+                    (metadata, Path(self._prev_training_metadata_path)),
+                ):
+                    if source.exists():
+                        _replace_with(target, lambda partial, source=source: shutil.copyfile(source, partial))
+            # The partial weights keep the .weights.h5 ending save_weights insists on.
+            _replace_with(
+                weights,
+                lambda partial: self.model.save_weights(str(partial), overwrite=True),
+                partial=weights.with_name(f".partial.{weights.name}"),
+            )
+            state = {"epoch": self._current_epoch, "batch": self._last_batch_seen}
+            _replace_with(metadata, lambda partial: partial.write_text(json.dumps(state)))
+
+        def _load_model(self):
+            metadata = Path(self._training_metadata_path)
+            if metadata.exists():
+                try:
+                    json.loads(metadata.read_text())["epoch"]
+                except (ValueError, KeyError, TypeError) as error:
+                    raise OSError(f"{metadata}: unreadable training state ({error})") from error
+            super()._load_model()
+
+    for method in ("_save_model", "_load_model"):
+        if not hasattr(keras.callbacks.BackupAndRestore, method):  # a Keras that no longer has the hook
+            raise RuntimeError(f"keras.callbacks.BackupAndRestore has no {method}: update checkpoints.py")
+    return AtomicBackupAndRestore(str(backup_dir), **options)
+
+
+def _replace_with(target: Path, write, partial: Path | None = None) -> None:
+    """Write ``target`` through ``write(partial)`` and rename the partial file over it; a failed write
+    leaves ``target`` as it was and removes the partial file."""
+    partial = partial or target.with_name(f".partial.{target.name}")
+    try:
+        write(partial)
+        os.replace(partial, target)
+    finally:
+        partial.unlink(missing_ok=True)

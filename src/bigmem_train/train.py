@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from . import distribute
-from .checkpoints import model_checkpoint
+from .checkpoints import backup_and_restore, model_checkpoint
 from .config import Config
 from .data import bad_input_from, make_datasets
 from .guard import MemoryGuard, MemoryStopped, guard_callback
@@ -237,10 +237,10 @@ def train(
     checkpoints.mkdir(exist_ok=True)
     step_timer = StepTimer.create(run_dir / "steps.csv", run_dir / "progress.json", datasets.train_steps)
     # double_checkpoint: the previous epoch's weights and metadata are kept beside the latest, and Keras falls
-    # back to them when the latest cannot be opened: a run killed while it wrote its backup (a half-written
-    # latest.weights.h5 made the resume crash, CI 3 December) resumes one epoch earlier instead.
-    backup = keras.callbacks.BackupAndRestore(
-        str(run_dir / "backup"), save_freq="epoch", delete_checkpoint=True, double_checkpoint=True
+    # back to them when the latest cannot be opened. Each backup file is written whole and renamed into place
+    # (checkpoints.backup_and_restore): a run killed while it wrote its backup resumes from the last whole one.
+    backup = backup_and_restore(
+        run_dir / "backup", save_freq="epoch", delete_checkpoint=True, double_checkpoint=True
     )
     probe = MemoryProbe()
     planned_peak = plan.peak_bytes if plan else None

@@ -1,12 +1,13 @@
 """Model checkpoints streamed to disk (checkpoints.py): the same archive Keras writes and reads, the best-only
 schedule of ModelCheckpoint, and a failed save that leaves the previous checkpoint whole."""
 
+import json
 import zipfile
 
 import numpy as np
 import pytest
 
-from bigmem_train.checkpoints import WRITER_ENVIRONMENT, model_checkpoint, save_model_file
+from bigmem_train.checkpoints import WRITER_ENVIRONMENT, backup_and_restore, model_checkpoint, save_model_file
 
 
 def trained_model():
@@ -94,3 +95,80 @@ def test_refuses_what_is_not_a_keras_file(tmp_path):
     model, _ = trained_model()
     with pytest.raises(ValueError, match="weights.h5"):
         save_model_file(model, tmp_path / "model.weights.h5")
+
+
+def fit_with_backup(model, x, backup_dir, epochs, stop_after=None):
+    """Fit ``model`` for ``epochs`` with the kit's backup; ``stop_after`` epochs ends the process's share of
+    the run there, as a kill would (the backup is kept: delete_checkpoint only acts on a finished run)."""
+    import keras
+
+    class Kill(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            if stop_after is not None and epoch + 1 == stop_after:
+                raise KeyboardInterrupt
+
+    backup = backup_and_restore(backup_dir, save_freq="epoch", delete_checkpoint=True, double_checkpoint=True)
+    started = []
+
+    class Start(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            started.append(epoch)
+
+    try:
+        model.fit(
+            x, (x > 0).astype(np.float32), epochs=epochs, verbose=0, callbacks=[backup, Start(), Kill()]
+        )
+    except KeyboardInterrupt:
+        pass
+    return started
+
+
+def test_backup_files_are_whole_after_each_epoch_and_nothing_partial_is_left(tmp_path):
+    import keras
+
+    model, x = trained_model()
+    backup = tmp_path / "backup"
+    fit_with_backup(model, x, backup, epochs=5, stop_after=3)
+    assert sorted(p.name for p in backup.iterdir()) == [
+        "latest.weights.h5",
+        "latest.weights.h5.bkp",
+        "training_metadata.json",
+        "training_metadata.json.bkp",
+    ]
+    assert json.loads((backup / "training_metadata.json").read_text())["epoch"] == 3
+    assert json.loads((backup / "training_metadata.json.bkp").read_text())["epoch"] == 2
+    restored = keras.models.clone_model(model)
+    restored.load_weights(backup / "latest.weights.h5")
+    np.testing.assert_array_equal(restored.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+@pytest.mark.parametrize("metadata", ["", '{"epo', '{"batch": 0}'])
+def test_a_kill_mid_metadata_resumes_from_the_previous_epoch(tmp_path, metadata):
+    model, x = trained_model()
+    backup = tmp_path / "backup"
+    fit_with_backup(model, x, backup, epochs=5, stop_after=3)
+    # What Keras' own in-place writer leaves when killed between truncating the file and writing it.
+    (backup / "training_metadata.json").write_text(metadata)
+    started = fit_with_backup(model, x, backup, epochs=5)
+    assert started == [2, 3, 4]  # the previous epoch's pair, not a crash and not a restart
+    assert not backup.exists()  # the finished run removes its backup
+
+
+def test_a_failed_backup_write_keeps_the_last_whole_backup(tmp_path, monkeypatch):
+    model, x = trained_model()
+    backup = tmp_path / "backup"
+    fit_with_backup(model, x, backup, epochs=5, stop_after=2)
+    before = {p.name: p.read_bytes() for p in backup.iterdir()}
+
+    def fail(self, filepath, *args, **kwargs):
+        with open(filepath, "wb") as half:  # the disk fills midway through the file
+            half.write(b"\x89HDF\r\n")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(type(model), "save_weights", fail)
+    with pytest.raises(OSError, match="disk full"):
+        fit_with_backup(model, x, backup, epochs=5)
+    after = {p.name: p.read_bytes() for p in backup.iterdir()}
+    assert after["latest.weights.h5"] == before["latest.weights.h5"]
+    assert json.loads(after["training_metadata.json"])["epoch"] == 2
+    assert not [name for name in after if name.startswith(".partial")]
