@@ -21,17 +21,19 @@ from .sizing import largest_batch, largest_shape, with_job_size
 
 # Step-time factors: the lever's step against the kit's default settings, same job, one process each, side
 # by side (benchmarks/throughput.py --sections levers; docs/performance.md, "Levers"), keyed by how the CPU
-# computes bfloat16 (bf16_kind). On a 2-vCPU Xeon with AMX, quiet (load 0.6-1.9), 3 December 2026, the
-# study's tile (240x240x144 b1, 16 filters, depth 4; 1 warm-up + 2 steps): defaults 10.31 s, mixed_bfloat16
-# 5.84 s, recompute 15.11 s, both 8.63 s; at 96^3 (2 runs of 3 steps each) 0.59x, 1.45x and 0.83x.
-# Recomputation elsewhere: 1.56x the CPU time per step (96^3, batch 1, 16 filters, float32, 2 cores, an
-# earlier session). mixed_bfloat16 with AVX512_BF16 and no AMX: 1.53 vs 2.37 s a step (96^3, 2 vCPUs of
-# an AMD EPYC, quiet); recomputation with it was not measured on such a CPU.
+# computes bfloat16 (bf16_kind); the study's tile (240x240x144 b1, 16 filters, depth 4; 1 warm-up + 2 steps)
+# decides, 96^3 (2 runs of 3 steps each) checks.
+# AMX: a 2-vCPU Xeon, quiet (load 0.6-1.9), 3 December 2026: defaults 10.31 s, mixed_bfloat16 5.84 s,
+# recompute 15.11 s, both 8.63 s; at 96^3 0.59x, 1.45x and 0.83x.
+# AVX512_BF16 without AMX: 2 vCPUs of an AMD EPYC, 3 December 2026 12:48-12:59 UTC (load 1.2-2.2): defaults
+# 17.99 s, mixed_bfloat16 12.82 s, recompute 24.34 s, both 15.65 s; at 96^3 (1.83 s) 0.63x, 1.49x, 1.00x.
+# Recomputation without native bf16: 1.56x the CPU time per step (96^3, batch 1, 16 filters, float32,
+# 2 cores, an earlier session).
 RECOMPUTE_STEP_FACTOR = 1.56
 STEP_FACTORS: dict[str, dict[str | None, float]] = {
-    "recompute": {"amx": 1.47, "avx512_bf16": RECOMPUTE_STEP_FACTOR, None: RECOMPUTE_STEP_FACTOR},
-    "mixed_bfloat16": {"amx": 0.57, "avx512_bf16": 0.65},
-    "recompute + mixed_bfloat16": {"amx": 0.84},
+    "recompute": {"amx": 1.47, "avx512_bf16": 1.35, None: RECOMPUTE_STEP_FACTOR},
+    "mixed_bfloat16": {"amx": 0.57, "avx512_bf16": 0.71},
+    "recompute + mixed_bfloat16": {"amx": 0.84, "avx512_bf16": 0.87},
 }
 
 
