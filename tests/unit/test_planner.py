@@ -9,7 +9,7 @@ import pytest
 
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
-from bigmem_train.host import read_host_facts
+from bigmem_train.host import cpu_isa, read_host_facts, this_cpu_flags
 from bigmem_train.memory import calibrate, constants, estimate, layers, sizing
 from bigmem_train.memory.constants import Calibration
 from bigmem_train.memory.estimate import BREAKDOWN_KEYS, breakdown_for
@@ -672,7 +672,8 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     user = tmp_path / "cache"
     monkeypatch.setenv("BIGMEM_CACHE_DIR", str(user))
     monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
-    assert constants.load_calibration().source in {str(constants.PACKAGED_CALIBRATION), Calibration().source}
+    packaged = {constants.PACKAGED_CALIBRATION, constants.packaged_calibration_for(cpu_isa(this_cpu_flags()))}
+    assert constants.load_calibration().source in {str(path) for path in packaged} | {Calibration().source}
     user.mkdir()
     (user / "calibration.json").write_text(
         json.dumps(
@@ -699,6 +700,28 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
     assert constants.load_calibration().runtime_baseline_bytes == 5
     assert constants.load_calibration().skipped == []
+
+
+def test_packaged_constants_of_this_cpu_class_come_before_the_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("BIGMEM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("BIGMEM_CALIBRATION", raising=False)
+    packaged = tmp_path / "memory"
+    packaged.mkdir()
+    monkeypatch.setattr(constants, "PACKAGED_CALIBRATION", packaged / "calibration.json")
+
+    def write(name, baseline):
+        constants_file = {"model": constants.MODEL_VERSION, "activation_factor": 1.0, "workspace_factor": 1.0}
+        (packaged / name).write_text(json.dumps({**constants_file, "runtime_baseline_bytes": baseline}))
+
+    write("calibration.json", 1)
+    write("calibration.avx512+bf16.json", 2)
+    avx512 = ["avx512f", "avx512bw", "avx512vl", "avx512dq"]
+    monkeypatch.setattr(constants, "this_cpu_flags", lambda: frozenset(avx512 + ["avx512_bf16"]))
+    assert constants.load_calibration().runtime_baseline_bytes == 2
+    assert constants.packaged_calibration_for("avx512+bf16") == packaged / "calibration.avx512+bf16.json"
+    # A CPU of a class nothing was measured on gets the default.
+    monkeypatch.setattr(constants, "this_cpu_flags", lambda: frozenset(avx512 + ["amx_tile"]))
+    assert constants.load_calibration().runtime_baseline_bytes == 1
 
 
 def test_a_calibration_file_of_the_earlier_model_is_passed_over_and_named(tmp_path, monkeypatch):
@@ -759,7 +782,7 @@ def test_levers_come_cheapest_first_and_each_really_fits(tables):
         assert lever.peak_bytes == sum(estimate.estimate(lever.config, CALIBRATION).values())
     # No native bfloat16 (AVX2 only): not offered.
     assert not any("bfloat16" in lever.change for lever in found)
-    # Each lever's step-time factor is the one measured on a CPU of the host's kind, None where none was.
+    # Each lever's step-time factor is the one measured on a CPU of the host's kind.
     from bigmem_train.memory.levers import STEP_FACTORS
 
     def factors(flags):
@@ -775,7 +798,14 @@ def test_levers_come_cheapest_first_and_each_really_fits(tables):
     )
     avx512 = factors(["avx2", "avx512f", "avx512_bf16"])
     assert avx512["runtime.precision: mixed_bfloat16"] == STEP_FACTORS["mixed_bfloat16"]["avx512_bf16"]
-    assert avx512["model.recompute: true and runtime.precision: mixed_bfloat16"] is None  # not measured there
+    assert avx512["model.recompute: true"] == STEP_FACTORS["recompute"]["avx512_bf16"]
+    assert (
+        avx512["model.recompute: true and runtime.precision: mixed_bfloat16"]
+        == STEP_FACTORS["recompute + mixed_bfloat16"]["avx512_bf16"]
+    )
+    # Without native bfloat16 oneDNN would emulate it: only recomputation is offered.
+    plain = factors(["avx2", "avx512f"])
+    assert plain == {"model.recompute: true": STEP_FACTORS["recompute"][None]}
     # A job that fits needs no lever.
     assert levers_to_fit(config, full, CALIBRATION, cpu_flags=["avx2"])[:1] == []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import Config
-from ..host import HostFacts
+from ..host import HostFacts, cpu_isa, this_cpu_flags
 from .layers import cache_dir
 
 
@@ -131,6 +131,15 @@ class Calibration:
 
 PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
 
+
+def packaged_calibration_for(isa: str) -> Path:
+    """The constants shipped for CPUs of oneDNN instruction-set class ``isa`` (``host.cpu_isa``), where
+    they were measured on one (``calibration.<isa>.json`` beside the default, whose own CPU its
+    ``measured.cpu`` names): oneDNN picks other kernels and buffers on another class of CPU, and the
+    same job peaks differently (``Calibration.cpu_mismatch``)."""
+    return PACKAGED_CALIBRATION.with_name(f"calibration.{isa}.json")
+
+
 # The memory model a calibration file's constants were fitted for (its "model" key): 1 had a workspace
 # factor and no activation factor, 2 the activation factor, 3 also counts oneDNN's backward-weights
 # scratchpad (``onednn_scratchpad_bytes``), which model 2's activation factor had absorbed; 4 is fitted on
@@ -158,7 +167,8 @@ def calibration_path_for_user() -> Path:
 
 
 def load_calibration() -> Calibration:
-    """$BIGMEM_CALIBRATION, else the user's ``~/.cache/bigmem-train/calibration.json``, else the packaged file.
+    """$BIGMEM_CALIBRATION, else the user's ``~/.cache/bigmem-train/calibration.json``, else the packaged
+    file for this CPU's class (``packaged_calibration_for``) where there is one, else the packaged default.
 
     A file written by ``plan --calibrate`` for one of the planner's earlier models (``MODEL_VERSION``:
     without ``activation_factor``, or with a factor that also absorbed oneDNN's scratchpad) is passed
@@ -167,7 +177,11 @@ def load_calibration() -> Calibration:
     candidates = []
     if os.environ.get("BIGMEM_CALIBRATION"):
         candidates.append(Path(os.environ["BIGMEM_CALIBRATION"]))
-    candidates += [calibration_path_for_user(), PACKAGED_CALIBRATION]
+    candidates += [
+        calibration_path_for_user(),
+        packaged_calibration_for(cpu_isa(this_cpu_flags())),
+        PACKAGED_CALIBRATION,
+    ]
     skipped = []
     for path in candidates:
         try:
