@@ -796,13 +796,9 @@ def test_levers_come_cheapest_first_and_each_really_fits(tables):
         amx["model.recompute: true and runtime.precision: mixed_bfloat16"]
         == STEP_FACTORS["recompute + mixed_bfloat16"]["amx"]
     )
+    # With AVX512_BF16 and no AMX bfloat16 kept the tile's peak (8,532 vs 8,440 MiB): not a memory lever there.
     avx512 = factors(["avx2", "avx512f", "avx512_bf16"])
-    assert avx512["runtime.precision: mixed_bfloat16"] == STEP_FACTORS["mixed_bfloat16"]["avx512_bf16"]
-    assert avx512["model.recompute: true"] == STEP_FACTORS["recompute"]["avx512_bf16"]
-    assert (
-        avx512["model.recompute: true and runtime.precision: mixed_bfloat16"]
-        == STEP_FACTORS["recompute + mixed_bfloat16"]["avx512_bf16"]
-    )
+    assert avx512 == {"model.recompute: true": STEP_FACTORS["recompute"]["avx512_bf16"]}
     # Without native bfloat16 oneDNN would emulate it: only recomputation is offered.
     plain = factors(["avx2", "avx512f"])
     assert plain == {"model.recompute: true": STEP_FACTORS["recompute"][None]}
