@@ -40,18 +40,19 @@ def save_model_file(model, path: Path) -> None:
         else:
             stale.unlink(missing_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        unzipped = staging / "model"
-        model.save(str(unzipped), zipped=False)
+    unzipped = staging / "model"
+
+    def write_archive(partial: Path) -> None:
         with zipfile.ZipFile(partial, "w") as archive:  # stored, not deflated, as Keras writes it
             for member in sorted(unzipped.rglob("*")):
                 if member.is_file():
                     archive.write(member, member.relative_to(unzipped).as_posix())
-        os.replace(partial, path)
+
+    try:
+        model.save(str(unzipped), zipped=False)
+        _replace_with(path, write_archive, partial=path.with_name(f".{path.name}.partial"))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-        partial.unlink(missing_ok=True)
 
 
 def model_checkpoint(filepath: Path, **options):
@@ -93,8 +94,7 @@ def backup_and_restore(backup_dir: Path, **options):
 
     class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
         def _save_model(self):
-            directory = Path(self.backup_dir)
-            directory.mkdir(parents=True, exist_ok=True)
+            Path(self.backup_dir).mkdir(parents=True, exist_ok=True)
             weights, metadata = Path(self._weights_path), Path(self._training_metadata_path)
             if self.double_checkpoint:
                 for source, target in (
