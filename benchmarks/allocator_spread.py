@@ -1,0 +1,174 @@
+"""Peak and step time of whole runs under different allocators and transparent-huge-page modes.
+
+The planner's worst misses (docs/planner.md, "The recomputed jobs' spread") are runs of the same job whose
+peaks part by up to a fifth: tcmalloc's page heap reusing freed spans differently from run to run. The
+allocators that do not strand spans (jemalloc's defaults, tcmalloc's aggressive decommit) page-fault every
+large tensor afresh and cost about 2x the step with 4 KiB pages. With transparent huge pages a fault maps
+2 MiB at once, and the kit's Ansible play sets THP to "always" on the servers it provisions
+(``bigmem_os_tuning_thp_enabled``), so this measures both the runs as a provisioned host sees them and the
+allocators that might end the spread there.
+
+Each variant runs the job as the planner's sweep does (``measure_run``: `bigmem-train train`, two epochs of
+two steps with validation, checkpoints, TensorBoard and the sampler) with ``runtime.heap_limit: off`` unless
+``--hold`` asks for the kit's heap limit (heap_limit.py), one run at a time, variants interleaved
+(A B C A B C ...) so that drift in the machine's load falls on all of them. THP modes are switched through
+``/sys/kernel/mm/transparent_hugepage/enabled`` (root) and put back as they were at the end.
+
+    python benchmarks/allocator_spread.py --job 160 160 112 2 16 --recompute --runs 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bigmem_train.config import load_config
+from bigmem_train.memory.calibrate import job_config, measure_run
+from bigmem_train.memory.constants import load_calibration
+from bigmem_train.memory.estimate import estimate
+
+GIB = 2**30
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+# name -> (runtime.allocator, THP mode, extra environment)
+VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "tcmalloc, THP madvise": ("tcmalloc", "madvise", {}),
+    "tcmalloc, THP always": ("tcmalloc", "always", {}),
+    "tcmalloc aggressive decommit, THP always": (
+        "tcmalloc",
+        "always",
+        {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true"},
+    ),
+    "jemalloc thp:always, THP madvise": (
+        "jemalloc",
+        "madvise",
+        {"MALLOC_CONF": "thp:always,metadata_thp:auto"},
+    ),
+    "jemalloc, THP always": ("jemalloc", "always", {}),
+    "glibc, THP always": ("glibc", "always", {}),
+}
+
+
+def thp_mode() -> str:
+    text = THP.read_text()
+    return text[text.index("[") + 1 : text.index("]")]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--job", nargs=5, type=int, metavar=("X", "Y", "Z", "BATCH", "FILTERS"), required=True
+    )
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--channels", type=int, default=1)
+    parser.add_argument("--classes", type=int, default=1)
+    parser.add_argument("--recompute", action="store_true")
+    parser.add_argument("--runs", type=int, default=3, help="runs per variant")
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--heap-limit-mib",
+        type=int,
+        action="append",
+        default=[],
+        help="also run tcmalloc (THP as found) with TCMALLOC_HEAP_LIMIT_MB at this many MiB (repeatable)",
+    )
+    parser.add_argument(
+        "--hold",
+        action="append",
+        default=[],
+        help="also run the kit's default allocator with runtime.heap_limit at this value (repeatable)",
+    )
+    parser.add_argument("--json", type=Path, help="write every run here")
+    args = parser.parse_args()
+    for limit in args.heap_limit_mib:
+        name = f"tcmalloc, heap limit {limit} MiB"
+        VARIANTS[name] = ("tcmalloc", thp_mode(), {"TCMALLOC_HEAP_LIMIT_MB": str(limit)})
+        args.variants.append(name)
+    for value in args.hold:
+        name = f"tcmalloc, runtime.heap_limit {value}"
+        VARIANTS[name] = ("tcmalloc", thp_mode(), {})
+        args.variants.append(name)
+    x, y, z, batch, filters = args.job
+    config = job_config(
+        load_config(),
+        shape=(x, y, z),
+        batch=batch,
+        filters=filters,
+        depth=args.depth,
+        channels=args.channels,
+        classes=args.classes,
+        recompute=args.recompute,
+    )
+    planned = sum(estimate(config, load_calibration()).values())
+    workdir = Path(tempfile.gettempdir()) / "bigmem-allocator-spread"
+    original = thp_mode()
+    runs: list[dict] = []
+    try:
+        for repeat in range(args.runs):
+            for name in args.variants:
+                allocator, mode, extra = VARIANTS[name]
+                THP.write_text(mode)
+                runtime = {"allocator": allocator, "heap_limit": "off"}
+                if name.startswith("tcmalloc, runtime.heap_limit "):
+                    runtime["heap_limit"] = name.rsplit(" ", 1)[1]
+                run_config = config.model_copy(update={"runtime": config.runtime.model_copy(update=runtime)})
+                saved = {key: os.environ.get(key) for key in extra}
+                os.environ.update(extra)
+                load = os.getloadavg()[0]
+                try:
+                    metrics = measure_run(run_config, workdir, "run")
+                finally:
+                    for key, value in saved.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
+                row = {
+                    "variant": name,
+                    "repeat": repeat,
+                    "peak_gib": round(metrics["peak_rss_bytes"] / GIB, 3),
+                    "thp_at_peak_gib": round(metrics.get("peak_anon_hugepages_bytes", 0) / GIB, 3),
+                    "step_seconds": metrics.get("median_step_seconds"),
+                    "allocator": metrics.get("allocator"),
+                    "held": metrics.get("heap_limit"),
+                    "load_before": round(load, 2),
+                    "load_after": round(os.getloadavg()[0], 2),
+                    "time": time.strftime("%H:%M:%S"),
+                }
+                runs.append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        THP.write_text(original)
+    print(f"\nplanned {planned / GIB:.3f} GiB")
+    for name in args.variants:
+        rows = [row for row in runs if row["variant"] == name]
+        peaks = [row["peak_gib"] for row in rows]
+        steps = [row["step_seconds"] for row in rows if row["step_seconds"]]
+        print(
+            f"{name:45s} peaks {', '.join(f'{p:.2f}' for p in peaks)} GiB (spread {max(peaks) - min(peaks):.2f}); "
+            f"step {statistics.median(steps):.1f} s"
+        )
+    if args.json:
+        job = {
+            "shape": [x, y, z],
+            "batch": batch,
+            "filters": filters,
+            "depth": args.depth,
+            "channels": args.channels,
+            "classes": args.classes,
+            "recompute": args.recompute,
+        }
+        args.json.write_text(
+            json.dumps({"job": job, "planned_gib": planned / GIB, "runs": runs}, indent=1) + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
