@@ -56,7 +56,8 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int, precisi
     import keras
     import tensorflow as tf
 
-    from bigmem_train.memory.calibrate import status_bytes, tcmalloc_stats
+    from bigmem_train.heap_limit import tcmalloc_stats
+    from bigmem_train.memory.calibrate import status_bytes
     from bigmem_train.model import batch_norm_layer
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))

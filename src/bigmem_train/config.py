@@ -153,6 +153,33 @@ class RuntimeConfig(_Section):
     # (20.40 -> 19.68 GiB over 8 epochs), but the sweep's jobs of 2-12 GiB peaked 3-9 % higher with it in
     # their second epoch, and it costs re-faulting the heap once an epoch (docs/planner.md).
     release_between_epochs: bool = False
+    # Hold the run to its plan (heap_limit.py): "plan" caps tcmalloc's heap so that the process stays under the
+    # planned peak plus footprint.tolerance, handing freed pages back before the heap grows past it (no
+    # stranding tail of up to a sixth over the usual peak, for a few percent of the step while at the cap); a
+    # size ("64GiB", "80%" of the host) caps it there. Opt-in: a job whose tensors really need more fails at
+    # the allocation that does not fit, cleanly (exit 3) when TensorFlow's tensor is the one refused, with a
+    # segmentation fault when a kernel's own scratch memory is (docs/planner.md).
+    heap_limit: str = "off"
+
+    @field_validator("heap_limit", mode="before")
+    @classmethod
+    def _check_heap_limit(cls, value: Any) -> str:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare `off` as false
+            value = "plan" if value else "off"
+        if not isinstance(value, str):
+            raise ValueError(f"{value!r}: 'plan', 'off' or a size such as 64GiB")
+        if value in ("plan", "off"):
+            return value
+        try:
+            size = parse_size(
+                value, host_total_bytes=1 << 40
+            )  # a percentage is resolved against the host later
+        except BadInput as error:
+            raise ValueError(f"{error} (or 'plan', or 'off')") from None
+        if size <= 0:
+            raise ValueError(f"size {value!r}: a heap limit must be more than 0 bytes")
+        return value
+
     # oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported). Stock TensorFlow only
     # turns them on for CPUs with AVX512_VNNI/BF16 or AMX; on AVX2 it runs Eigen's convolutions, about
     # 3-4x slower for this model (docs/performance.md), so bigmem-train asks for them explicitly.

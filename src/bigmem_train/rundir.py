@@ -15,9 +15,15 @@ from .errors import BadInput
 
 STATE_FILE = "state.json"
 RUNNING, FINISHED, FAILED, STOPPED = "running", "finished", "failed", "stopped"
-# Config fields a run the memory guard stopped may change when it is resumed: the U-Net's weights and its
-# optimizer state do not depend on them.
-RESIZABLE_ON_RESUME = (("training", "batch_size"), ("data", "input_shape"))
+# Config fields a run stopped for memory (the guard, the heap limit) may change when it is resumed: the
+# U-Net's weights and its optimizer state do not depend on them.
+RESIZABLE_ON_RESUME = (
+    ("training", "batch_size"),
+    ("data", "input_shape"),
+    # A run stopped at its heap limit (heap_limit.py) resumes with a looser one.
+    ("runtime", "heap_limit"),
+    ("footprint", "tolerance"),
+)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -148,8 +154,8 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
             changed = _resizable_difference(saved.read_text(), resolved) if stopped_for_memory else None
             if not changed:
                 hint = (
-                    " (a run the memory guard stopped may change only training.batch_size and "
-                    "data.input_shape)"
+                    " (a run stopped for memory may change only training.batch_size, data.input_shape, "
+                    "runtime.heap_limit and footprint.tolerance)"
                     if stopped_for_memory
                     else ""
                 )

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import distribute
+from . import distribute, heap_limit
 from .checkpoints import backup_and_restore, model_checkpoint
 from .config import Config
 from .data import bad_input_from, make_datasets
@@ -29,7 +29,7 @@ from .monitor import MemoryProbe, MemorySampler, rss_parts
 from .progress import progress_callback
 from .release import release_callback
 from .rundir import read_history, read_memory_csv, read_step_seconds, write_json
-from .sizes import format_bytes
+from .sizes import format_bytes, parse_size
 
 
 def tensorflow_build_info() -> dict[str, Any]:
@@ -199,6 +199,61 @@ def _fit(model, datasets, config: Config, callbacks: list) -> None:
     )
 
 
+def hold_heap(config: Config, plan: JobPlan | None, host: HostFacts) -> heap_limit.HeapLimit | None:
+    """Apply ``runtime.heap_limit`` (heap_limit.py) now that TensorFlow, the model and the reader are
+    loaded; say what is held, or why nothing is."""
+    setting = config.runtime.heap_limit
+    if setting == "off" or (setting == "plan" and plan is None):
+        return None
+    if setting == "plan":
+        cap = int(plan.peak_bytes * (1 + config.footprint.tolerance))
+        source = f"plan + {config.footprint.tolerance:.0%}"
+    else:
+        cap = parse_size(setting, host_total_bytes=host.memory_total_bytes)
+        source = setting
+    held = heap_limit.hold(cap, source)
+    if held is None:
+        print(
+            f"bigmem-train: heap not held to {format_bytes(cap)} ({source}): "
+            + (
+                "the cap is below what the run holds already"
+                if heap_limit.current_limit_bytes() is not None
+                else f"the allocator is {preloaded_allocator()}, not a tcmalloc with a heap limit"
+            ),
+            flush=True,
+        )
+        return None
+    print(
+        f"bigmem-train: memory held to {format_bytes(held.cap_bytes)} ({source}): tcmalloc's heap limit "
+        f"{format_bytes(held.limit_bytes)}, {format_bytes(held.outside_heap_bytes)} outside the heap",
+        flush=True,
+    )
+    return held
+
+
+def heap_limit_stop(
+    held: heap_limit.HeapLimit, error: Exception, plan: JobPlan | None, run_name: str
+) -> MemoryStopped:
+    """The run needed more than its heap limit: a memory stop (exit 3) with both figures, resumable from
+    the last epoch's backup."""
+    planned = plan.peak_bytes if plan else None
+    message = (
+        f"bigmem-train: run {run_name} stopped: it needed more memory than it was held to, "
+        f"{format_bytes(held.cap_bytes)} ({held.source}; tcmalloc's heap limit {format_bytes(held.limit_bytes)}) "
+        f"after handing back every free page; the plan is wrong for this job. The last epoch's backup is "
+        f"kept: rerun with a larger footprint.tolerance or runtime.heap_limit: off to resume."
+    )
+    record = {
+        "stopped": "memory",
+        "reason": "heap_limit",
+        "planned_peak_bytes": planned,
+        "heap_limit": held.to_dict(),
+        "error": str(error).splitlines()[0][:500] if str(error) else type(error).__name__,
+        "message": message,
+    }
+    return MemoryStopped(message, record)
+
+
 def train(
     config: Config,
     run_dir: Path,
@@ -232,6 +287,7 @@ def train(
         # known now, and the plan takes it in place of the calibration's figure (JobPlan.with_file_backed).
         plan = plan.with_file_backed(rss_parts()[1])
         write_json(run_dir / "plan.json", plan.to_dict())
+    held = hold_heap(config, plan, host)
 
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
@@ -301,6 +357,11 @@ def train(
             _fit(model, datasets, config, callbacks)
         except MemoryStopped as error:
             stopped = error
+        except tf.errors.ResourceExhaustedError as error:
+            if held is None:
+                raise
+            heap_limit.release()
+            stopped = heap_limit_stop(held, error, plan, run_dir.name)
         except tf.errors.OpError as error:
             # A volume that turned out unreadable mid-run: one line naming the file, exit 2.
             bad_input = bad_input_from(error)
@@ -336,6 +397,8 @@ def train(
         },
         "sampler_cpu_seconds": round(sampler.cpu_seconds, 3),
         "sampler_page_table_walks": sampler.walks,
+        "heap_limit_requested": config.runtime.heap_limit,
+        "heap_limit": held.to_dict() if held else None,
         "guard": None
         if guard is None
         else {

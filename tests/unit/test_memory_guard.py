@@ -294,7 +294,9 @@ def test_a_run_the_guard_stopped_resumes_with_a_smaller_batch_only(tmp_path):
     with pytest.raises(BadInput, match="different config"):
         prepare_run_dir(job(tmp_path, batch_size=2))  # not stopped by the guard: refused as before
     set_state(run_dir, STOPPED, stopped="memory", message="memory guard stopped the run")
-    with pytest.raises(BadInput, match="may change only training.batch_size and data.input_shape"):
+    with pytest.raises(
+        BadInput, match="may change only training.batch_size, data.input_shape, runtime.heap_limit"
+    ):
         prepare_run_dir(job(tmp_path, batch_size=2, epochs=3))
     again, resuming = prepare_run_dir(job(tmp_path, batch_size=2))
     assert again == run_dir and resuming

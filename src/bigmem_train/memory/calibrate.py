@@ -16,7 +16,6 @@ off]; it writes the constants, the model they belong to and the runtime they wer
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import datetime
 import json
@@ -164,28 +163,6 @@ def status_bytes(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def tcmalloc_stats() -> dict[str, int]:
-    """gperftools' heap counters (bytes) when tcmalloc is preloaded, else {}: what the program holds
-    (allocated), what tcmalloc keeps mapped for reuse (free in the page heap) and what it returned."""
-    try:
-        library = ctypes.CDLL(None)
-        get = library.MallocExtension_GetNumericProperty
-    except (OSError, AttributeError):
-        return {}
-    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
-    stats = {}
-    for name in (
-        "generic.current_allocated_bytes",
-        "generic.heap_size",
-        "tcmalloc.pageheap_free_bytes",
-        "tcmalloc.pageheap_unmapped_bytes",
-    ):
-        value = ctypes.c_size_t(0)
-        if get(name.encode(), ctypes.byref(value)):
-            stats[name.split(".", 1)[1]] = int(value.value)
-    return stats
 
 
 def reset_peak() -> None:
@@ -435,6 +412,11 @@ def calibrate(
     for repeat in range(repeats):
         for index, job in enumerate(jobs or calibration_jobs(read_cpu_flags())):
             config = job_config(base, **job)
+            # The constants are fitted to what a run holds unheld: a heap limit set from the current plan
+            # (runtime.heap_limit, heap_limit.py) would clip the peaks they are fitted to.
+            config = config.model_copy(
+                update={"runtime": config.runtime.model_copy(update={"heap_limit": "off"})}
+            )
             measured = measure_run(config, workdir, f"calibration-{index}-{repeat}")
             samples.append((config, measured["peak_rss_bytes"], measured.get("file_backed_at_start_bytes")))
             records.append(
