@@ -38,6 +38,11 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
     "tcmalloc, THP madvise": ("tcmalloc", "madvise", {}),
     "tcmalloc, THP always": ("tcmalloc", "always", {}),
+    "tcmalloc aggressive decommit, THP madvise": (
+        "tcmalloc",
+        "madvise",
+        {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true"},
+    ),
     "tcmalloc aggressive decommit, THP always": (
         "tcmalloc",
         "always",
