@@ -124,6 +124,17 @@ class TrainingConfig(_Section):
     strategy: Literal["single", "multi_worker"] = "single"
 
 
+def _check_size_text(value: str, what: str, alternatives: str = "") -> None:
+    """A size's syntax, checked when the config is read (a percentage is resolved against the host later);
+    ValueError naming it otherwise."""
+    try:
+        size = parse_size(value, host_total_bytes=1 << 40)
+    except BadInput as error:
+        raise ValueError(f"{error}{alternatives}") from None
+    if size <= 0:
+        raise ValueError(f"size {value!r}: {what} must be more than 0 bytes")
+
+
 class RuntimeConfig(_Section):
     """How TensorFlow uses this host."""
 
@@ -168,16 +179,8 @@ class RuntimeConfig(_Section):
             value = "plan" if value else "off"
         if not isinstance(value, str):
             raise ValueError(f"{value!r}: 'plan', 'off' or a size such as 64GiB")
-        if value in ("plan", "off"):
-            return value
-        try:
-            size = parse_size(
-                value, host_total_bytes=1 << 40
-            )  # a percentage is resolved against the host later
-        except BadInput as error:
-            raise ValueError(f"{error} (or 'plan', or 'off')") from None
-        if size <= 0:
-            raise ValueError(f"size {value!r}: a heap limit must be more than 0 bytes")
+        if value not in ("plan", "off"):
+            _check_size_text(value, "a heap limit", alternatives=" (or 'plan', or 'off')")
         return value
 
     # oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported). Stock TensorFlow only
@@ -216,13 +219,7 @@ class FootprintConfig(_Section):
     @classmethod
     def _check_target(cls, value: str | None) -> str | None:
         if value is not None:
-            # Validate the syntax now; a percentage is resolved against the host later.
-            try:
-                size = parse_size(value, host_total_bytes=1 << 40)
-            except BadInput as error:
-                raise ValueError(str(error)) from None
-            if size <= 0:
-                raise ValueError(f"size {value!r}: a memory target must be more than 0 bytes")
+            _check_size_text(value, "a memory target")
         return value
 
 
