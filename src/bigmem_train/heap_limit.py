@@ -42,7 +42,7 @@ class HeapLimit:
     cap_bytes: int
     outside_heap_bytes: int
     limit_bytes: int
-    source: str  # "plan" or the configured size
+    source: str  # "plan + 10%" (the tolerance) or the configured size
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,9 +79,10 @@ def _flag() -> ctypes.c_int64 | None:
         return None
 
 
-def committed_heap_bytes() -> int | None:
-    """tcmalloc's heap as the kernel sees it (mapped, in use or free, less what it returned), or None."""
-    stats = tcmalloc_stats()
+def committed_heap_bytes(stats: dict[str, int] | None = None) -> int | None:
+    """tcmalloc's heap as the kernel sees it (mapped, in use or free, less what it returned), or None;
+    from ``stats`` (``tcmalloc_stats()``) when given."""
+    stats = tcmalloc_stats() if stats is None else stats
     if "heap_size" not in stats:
         return None
     return stats["heap_size"] - stats.get("pageheap_unmapped_bytes", 0)
@@ -98,10 +99,11 @@ def hold(cap_bytes: int, source: str) -> HeapLimit | None:
     preloaded allocator is not a tcmalloc with a heap limit, or where the cap leaves the heap no more than
     it holds in use already (the plan is wrong before training starts; the verdict says so)."""
     flag = _flag()
-    committed = committed_heap_bytes()
+    stats = tcmalloc_stats()
+    committed = committed_heap_bytes(stats)
     if flag is None or committed is None:
         return None
-    in_use = tcmalloc_stats().get("current_allocated_bytes", committed)
+    in_use = stats.get("current_allocated_bytes", committed)
     outside = max(0, rss_parts()[0] - committed)
     limit = cap_bytes - outside
     if limit <= in_use:
