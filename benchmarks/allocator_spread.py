@@ -34,7 +34,7 @@ from bigmem_train.memory.estimate import estimate
 
 GIB = 2**30
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-# name -> (runtime.allocator, THP mode, extra environment)
+# name -> (runtime.allocator, THP mode, extra environment); --hold variants also set runtime.heap_limit
 VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
     "tcmalloc, THP madvise": ("tcmalloc", "madvise", {}),
     "tcmalloc, THP always": ("tcmalloc", "always", {}),
@@ -95,8 +95,8 @@ def main() -> int:
         name = f"tcmalloc, heap limit {limit} MiB"
         VARIANTS[name] = ("tcmalloc", thp_mode(), {"TCMALLOC_HEAP_LIMIT_MB": str(limit)})
         args.variants.append(name)
-    for value in args.hold:
-        name = f"tcmalloc, runtime.heap_limit {value}"
+    held = {f"tcmalloc, runtime.heap_limit {value}": value for value in args.hold}
+    for name in held:
         VARIANTS[name] = ("tcmalloc", thp_mode(), {})
         args.variants.append(name)
     x, y, z, batch, filters = args.job
@@ -119,9 +119,7 @@ def main() -> int:
             for name in args.variants:
                 allocator, mode, extra = VARIANTS[name]
                 THP.write_text(mode)
-                runtime = {"allocator": allocator, "heap_limit": "off"}
-                if name.startswith("tcmalloc, runtime.heap_limit "):
-                    runtime["heap_limit"] = name.rsplit(" ", 1)[1]
+                runtime = {"allocator": allocator, "heap_limit": held.get(name, "off")}
                 run_config = config.model_copy(update={"runtime": config.runtime.model_copy(update=runtime)})
                 saved = {key: os.environ.get(key) for key in extra}
                 os.environ.update(extra)
