@@ -612,6 +612,21 @@ def test_backward_walk_keeps_the_kept_tensors_and_adds_live_gradients():
     assert (kept_two, live_two) == (2 * kept, 2 * live)
 
 
+def test_the_loss_keeps_what_its_branch_keeps_at_each_class_count():
+    # One class: binary cross-entropy's seven tensors; several: the softmax branch's 5 x classes - 2
+    # (one-hot label, clip, log of every class, Dice's two foreground slices), not seven per class.
+    assert estimate.loss_kept_tensors(1) == estimate.LOSS_KEPT_TENSORS == 7
+    assert [estimate.loss_kept_tensors(classes) for classes in (2, 4, 8)] == [8, 18, 38]
+    table = recorded_table("unet_depth3_filters8_float32")
+    four = [*table[:-1], {**table[-1], "channels": 4}]
+    kept_one, _ = estimate.backward_live_bytes(table, 1, (16, 16, 16), recompute=False)
+    kept_four, _ = estimate.backward_live_bytes(four, 1, (16, 16, 16), recompute=False)
+    rules_one = sum(estimate.kept_tensors(table, 1, (16, 16, 16)).sizes.values())
+    rules_four = sum(estimate.kept_tensors(four, 1, (16, 16, 16)).sizes.values())
+    assert kept_one - rules_one == 7 * 16**3 * 4
+    assert kept_four - rules_four == 18 * 16**3 * 4
+
+
 def test_backward_walk_rebuilds_one_block_under_recomputation():
     plain = layers.expand_recomputed_blocks(recorded_table("unet_depth4_filters16_float32"), batch_norm=True)
     blocks = layers.expand_recomputed_blocks(

@@ -34,9 +34,23 @@ BREAKDOWN_KEYS = (
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
-# Full-size float32 tensors the study's loss (0.7 * -log Dice + 0.3 * BCE) keeps per output channel:
-# the cast label, clip(y_pred), 1 - clip, log(clip), log(1 - clip), 1 - label, label * y_pred.
+# Full-size float32 tensors of one output channel the study's loss (0.7 * -log Dice + 0.3 * cross-entropy,
+# model.make_loss) keeps. One class (sigmoid, binary cross-entropy): the cast label, clip(y_pred), 1 - clip,
+# log(clip), log(1 - clip), 1 - label, label * y_pred: 7. Several classes (softmax) take the other branch:
+# the one-hot label, clip(y_pred) and log(clip) of every class, and Dice's foreground slices of label and
+# prediction (every class but the background): 5 x classes - 2. The loss alone (benchmarks/planner_loss_probe.py,
+# its forward + backward over the same with a loss that keeps nothing; 160x160x128 and 240x240x144, batch 1,
+# three probe runs) peaks at 6.5 of these at 1 class, 5.5-8.0 / 5.8-7.8 / 12.0-16.0 / 33.0-39.0 at 2 / 3 / 4 / 8
+# classes (formula 8 / 13 / 18 / 38): at or under what the code keeps, by what the allocator reuses from one
+# freed tensor to the next, 5 a class in every run. Counting 7 per channel at every class count (until
+# December 2026: 28 at 4 classes) over-planned the 4-class jobs by 10 of them (0.35 GB at the 240x240x144 tile).
 LOSS_KEPT_TENSORS = 7
+
+
+def loss_kept_tensors(classes: int) -> int:
+    """Full-size float32 tensors of one output channel the loss keeps for backward, at ``classes`` outputs."""
+    return LOSS_KEPT_TENSORS if classes == 1 else 5 * classes - 2
+
 
 # Float32 tensors of its input's size that Keras 3's unfused batch normalization holds in its backward on
 # top of the gradients of its output and input: its input gradient has three terms (through the scaled
@@ -195,7 +209,8 @@ def backward_live_bytes(
     rows = {row["name"]: row for row in table}
     kept = kept_tensors(table, batch, shape)
     output = table[-1]
-    kept.sizes["loss"] = LOSS_KEPT_TENSORS * _elements(output, batch, shape) * 4
+    channels = output["channels"]
+    kept.sizes["loss"] = loss_kept_tensors(channels) * _elements(output, batch, shape) // channels * 4
     kept.readers["loss"] = {output["name"]}
     kept.owner["loss"] = _block_of(output["name"])
     internals = _recomputed_internals(table, kept) if recompute else {}
