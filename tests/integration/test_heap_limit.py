@@ -6,6 +6,11 @@ is refused; docs/planner.md. tests/unit/test_heap_limit.py shows the allocator's
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -53,3 +58,42 @@ def test_a_run_is_held_to_its_plan(job, tmp_path):
     assert 0 < held["outside_heap_bytes"] < held["cap_bytes"]
     assert "memory held to" in result.stdout
     assert metrics["peak_rss_bytes"] <= held["cap_bytes"] * 1.02
+
+
+def test_a_held_run_that_crashes_is_put_down_to_its_heap_limit(job, tmp_path):
+    """A refused allocation inside a kernel ends the process with a segmentation fault (which allocation is
+    refused first cannot be chosen); here the test sends the SIGSEGV itself once the run is held, and
+    `validate` reads the real run directory: state.json says what the run was held to."""
+    command = [sys.executable, "-m", "bigmem_train.cli", "train", "-c", str(job), "--run-name", "crashed"]
+    trainer = subprocess.Popen(
+        # Epochs enough that it is still training when the test ends it.
+        [*command, "--set", "runtime.heap_limit=plan", "--set", "training.epochs=30"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    state_path = tmp_path / "results" / "crashed" / "state.json"
+    try:
+        deadline = time.monotonic() + 300
+        state: dict = {}
+        while time.monotonic() < deadline and trainer.poll() is None:
+            if state_path.exists():
+                try:
+                    state = json.loads(state_path.read_text())
+                except ValueError:  # caught mid-write
+                    state = {}
+                if state.get("heap_limit"):
+                    break
+            time.sleep(0.2)
+        assert state.get("heap_limit"), "the run never recorded its hold in state.json"
+        os.kill(state["pid"], signal.SIGSEGV)
+        trainer.communicate(timeout=120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.communicate()
+    assert json.loads(state_path.read_text())["state"] == "running"  # it left no record of its own
+    validated = bigmem("validate", state_path.parent)
+    assert validated.returncode == 1, validated.stdout + validated.stderr
+    assert "while held to" in validated.stdout and "runtime.heap_limit" in validated.stdout
+    assert "resume from the last checkpoint" in validated.stdout
