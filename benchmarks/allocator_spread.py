@@ -48,6 +48,11 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
         "always",
         {"TCMALLOC_AGGRESSIVE_DECOMMIT": "true"},
     ),
+    # gperftools' incremental scavenger: after it hands back N pages it waits 1000 N / rate freed pages
+    # before the next (page_heap.cc, IncrementalScavenge; default rate 1).
+    "tcmalloc release rate 10, THP madvise": ("tcmalloc", "madvise", {"TCMALLOC_RELEASE_RATE": "10"}),
+    "tcmalloc release rate 100, THP madvise": ("tcmalloc", "madvise", {"TCMALLOC_RELEASE_RATE": "100"}),
+    "tcmalloc release rate 1000, THP madvise": ("tcmalloc", "madvise", {"TCMALLOC_RELEASE_RATE": "1000"}),
     "jemalloc thp:always, THP madvise": (
         "jemalloc",
         "madvise",
