@@ -38,11 +38,9 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     x, y, z, filters = args.job
-    calibration = load_calibration()
+    base, calibration = load_config(), load_calibration()
     configs = {
-        batch: job_config(
-            load_config(), shape=(x, y, z), batch=batch, filters=filters, depth=args.depth, channels=1
-        )
+        batch: job_config(base, shape=(x, y, z), batch=batch, filters=filters, depth=args.depth, channels=1)
         for batch in args.batches
     }
     planned = {batch: estimate(config, calibration) for batch, config in configs.items()}

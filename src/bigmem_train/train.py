@@ -28,15 +28,7 @@ from .memory.plan import JobPlan
 from .monitor import MemoryProbe, MemorySampler, rss_parts
 from .progress import progress_callback
 from .release import release_callback
-from .rundir import (
-    RUNNING,
-    read_history,
-    read_memory_csv,
-    read_state,
-    read_step_seconds,
-    set_state,
-    write_json,
-)
+from .rundir import RUNNING, read_history, read_memory_csv, read_step_seconds, set_state, write_json
 from .sizes import format_bytes, parse_size
 
 
@@ -298,8 +290,7 @@ def train(
     held = hold_heap(config, plan, host)
     # A refused allocation inside a kernel can end the process with no record of its own: state.json says
     # what it was held to, for the post-mortem (postmortem.explain). None clears a resumed run's old hold.
-    if read_state(run_dir).get("state") == RUNNING:
-        set_state(run_dir, RUNNING, heap_limit=held.to_dict() if held else None)
+    set_state(run_dir, RUNNING, heap_limit=held.to_dict() if held else None)
 
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
