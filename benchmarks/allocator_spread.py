@@ -59,6 +59,19 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
         {"MALLOC_CONF": "thp:always,metadata_thp:auto"},
     ),
     "jemalloc, THP always": ("jemalloc", "always", {}),
+    # jemalloc 5 gives every block over 8 MiB (oversize_threshold) to an arena that purges at once; with
+    # the threshold at 0 large blocks stay in the ordinary arenas, whose freed pages are kept for reuse and
+    # purged after dirty_decay_ms (default 10 s; -1: never).
+    "jemalloc large blocks kept 10 s, THP madvise": (
+        "jemalloc",
+        "madvise",
+        {"MALLOC_CONF": "oversize_threshold:0"},
+    ),
+    "jemalloc large blocks never purged, THP madvise": (
+        "jemalloc",
+        "madvise",
+        {"MALLOC_CONF": "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1"},
+    ),
     "glibc, THP always": ("glibc", "always", {}),
 }
 
