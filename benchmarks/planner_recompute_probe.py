@@ -122,6 +122,9 @@ def main() -> int:
     parser.add_argument("--shape", default="96,96,64")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--filters", type=int, default=16)
+    parser.add_argument(
+        "--modes", default="plain,recomputed", help="which steps to probe (default: plain,recomputed)"
+    )
     parser.add_argument("--child", choices=["plain", "recomputed"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = tuple(int(edge) for edge in args.shape.split(","))
@@ -135,7 +138,7 @@ def main() -> int:
     print("| step | TensorFlow's live peak | the walk | resident rise | resident / live |")
     print("|---|---:|---:|---:|---:|")
     profiled = {key: value for key, value in environment.items() if key != "TF_ONEDNN_USE_SYSTEM_ALLOCATOR"}
-    for mode in ("plain", "recomputed"):
+    for mode in args.modes.split(","):
         events, resident = (
             json.loads(
                 subprocess.run(
