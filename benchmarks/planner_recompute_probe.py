@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 
+MODES = ("plain", "recomputed")
+
 
 def child(shape: tuple[int, int, int], batch: int, filters: int, recompute: bool) -> dict:
     import keras
@@ -123,9 +125,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--filters", type=int, default=16)
     parser.add_argument(
-        "--modes", default="plain,recomputed", help="which steps to probe (default: plain,recomputed)"
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="which steps to probe (default: both)"
     )
-    parser.add_argument("--child", choices=["plain", "recomputed"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = tuple(int(edge) for edge in args.shape.split(","))
     if args.child:
@@ -138,7 +140,7 @@ def main() -> int:
     print("| step | TensorFlow's live peak | the walk | resident rise | resident / live |")
     print("|---|---:|---:|---:|---:|")
     profiled = {key: value for key, value in environment.items() if key != "TF_ONEDNN_USE_SYSTEM_ALLOCATOR"}
-    for mode in args.modes.split(","):
+    for mode in args.modes:
         events, resident = (
             json.loads(
                 subprocess.run(
