@@ -73,7 +73,23 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
         {"MALLOC_CONF": "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1"},
     ),
     "glibc, THP always": ("glibc", "always", {}),
+    # mimalloc (Debian's libmimalloc2.0), preloaded by hand over glibc: not one of the kit's allocators.
+    "mimalloc, THP madvise": (
+        "glibc",
+        "madvise",
+        {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libmimalloc.so.2"},
+    ),
 }
+
+
+# name -> data settings, with the kit's allocator (THP as found): who allocates beside the training step.
+DATA_VARIANTS: dict[str, dict[str, object]] = {
+    "tcmalloc, reader in the step (parallel_reads 0, prefetch 0)": {
+        "parallel_reads": 0,
+        "prefetch_batches": 0,
+    },
+}
+VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in DATA_VARIANTS})
 
 
 def thp_mode() -> str:
@@ -138,7 +154,12 @@ def main() -> int:
                 allocator, mode, extra = VARIANTS[name]
                 THP.write_text(mode)
                 runtime = {"allocator": allocator, "heap_limit": held.get(name, "off")}
-                run_config = config.model_copy(update={"runtime": config.runtime.model_copy(update=runtime)})
+                run_config = config.model_copy(
+                    update={
+                        "runtime": config.runtime.model_copy(update=runtime),
+                        "data": config.data.model_copy(update=DATA_VARIANTS.get(name, {})),
+                    }
+                )
                 saved = {key: os.environ.get(key) for key in extra}
                 os.environ.update(extra)
                 load = os.getloadavg()[0]

@@ -33,6 +33,7 @@ def main() -> int:
     )
     parser.add_argument("--job", nargs=4, type=int, metavar=("X", "Y", "Z", "FILTERS"), required=True)
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--channels", type=int, default=1, help="input channels")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--json", type=Path)
@@ -40,7 +41,9 @@ def main() -> int:
     x, y, z, filters = args.job
     base, calibration = load_config(), load_calibration()
     configs = {
-        batch: job_config(base, shape=(x, y, z), batch=batch, filters=filters, depth=args.depth, channels=1)
+        batch: job_config(
+            base, shape=(x, y, z), batch=batch, filters=filters, depth=args.depth, channels=args.channels
+        )
         for batch in args.batches
     }
     planned = {batch: estimate(config, calibration) for batch, config in configs.items()}
@@ -61,7 +64,7 @@ def main() -> int:
             }
             runs.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\n{x}x{y}x{z} f{filters} d{args.depth}")
+    print(f"\n{x}x{y}x{z} f{filters} d{args.depth} c{args.channels}")
     first = args.batches[0]
     low = [row["peak_gib"] for row in runs if row["batch"] == first]
     for batch in args.batches:
@@ -81,7 +84,7 @@ def main() -> int:
             str(batch): {key: round(value / GIB, 4) for key, value in parts.items()}
             for batch, parts in planned.items()
         }
-        job = {"shape": [x, y, z], "filters": filters, "depth": args.depth}
+        job = {"shape": [x, y, z], "filters": filters, "depth": args.depth, "channels": args.channels}
         args.json.write_text(
             json.dumps({"job": job, "planned_gib": breakdown, "runs": runs}, indent=1) + "\n"
         )

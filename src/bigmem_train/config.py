@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -62,8 +62,9 @@ class DataConfig(_Section):
     augment_flips: bool = True
     # Largest random shift of the training crop away from the centre, in voxels per axis.
     crop_jitter: int = Field(8, ge=0)
-    # Parallel volume readers in the tf.data map ("auto" = AUTOTUNE).
-    parallel_reads: int | Literal["auto"] = 2
+    # Parallel volume readers in the tf.data map ("auto" = AUTOTUNE); 0: one reader, run by the training
+    # step itself when it asks for the next batch (no reader threads beside the step).
+    parallel_reads: Annotated[int, Field(ge=0)] | Literal["auto"] = 2
     # Batches prefetched ahead of the step.
     prefetch_batches: int = Field(1, ge=0, le=64)
 

@@ -536,7 +536,7 @@ def make_datasets(
         .shuffle(len(train_cases), seed=seed, reshuffle_each_iteration=True)
         .repeat()
         .enumerate()  # a running sample number seeds each sample's crop and flips
-        .map(map_train, num_parallel_calls=parallel, deterministic=True)
+        .map(map_train, num_parallel_calls=parallel or None, deterministic=True if parallel else None)
         .batch(batch_size, drop_remainder=True)
     )
     validation_indices = np.arange(len(validation_cases), dtype=np.int64)
@@ -546,7 +546,7 @@ def make_datasets(
     validation_padding = len(validation_indices) - len(validation_cases)
     validation = (
         tf.data.Dataset.from_tensor_slices(validation_indices)
-        .map(map_validation, num_parallel_calls=parallel, deterministic=True)
+        .map(map_validation, num_parallel_calls=parallel or None, deterministic=True if parallel else None)
         .batch(batch_size, drop_remainder=workers > 1)
     )
     if config.data.prefetch_batches:

@@ -7,7 +7,9 @@ import json
 import nibabel as nib
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
+from bigmem_train.config import Config
 from bigmem_train.data import (
     Case,
     bad_input_from,
@@ -362,6 +364,24 @@ def test_make_datasets_batches_and_steps(tmp_path):
     datasets = make_datasets(config, train_cases, validation_cases)
     assert datasets.train_steps == 5 and datasets.validation_steps == 1
     assert [batch[0].shape[0] for batch in datasets.validation] == [2]  # the last batch is kept
+
+
+def test_reader_in_the_step_gives_the_same_batches(tmp_path):
+    """data.parallel_reads 0: no reader threads, the map runs when the step asks; same samples, same order."""
+    folder = write_dataset(tmp_path / "d", [phantom(shape=(18, 15, 12), seed=seed) for seed in range(5)])
+    config = small_config(folder)
+    train_cases, validation_cases = split_cases(check_dataset(config), 0.4, seed=1)
+    batches = {}
+    for readers in (2, 0):
+        config.data.parallel_reads = readers
+        config.data.prefetch_batches = 1 if readers else 0
+        datasets = make_datasets(config, train_cases, validation_cases)
+        batches[readers] = [image.numpy() for image, _ in datasets.train.take(4)]
+        batches[readers] += [image.numpy() for image, _ in datasets.validation]
+    assert len(batches[0]) == len(batches[2]) == 5
+    assert all(np.array_equal(a, b) for a, b in zip(batches[0], batches[2]))
+    with pytest.raises(ValidationError, match="parallel_reads"):
+        Config.model_validate({"data": {"parallel_reads": -1}})
 
 
 def test_corrupt_file_in_the_pipeline_names_the_path(tmp_path):

@@ -50,6 +50,16 @@ def test_weights_gradients_and_adam_slots_follow_the_parameter_count(tables):
     assert breakdown["optimizer_slots"] == 8 * trainable
 
 
+def test_input_pipeline_counts_readers_and_batches_in_flight(tables):
+    """Per reader three sample copies, plus prefetch + 2 batches; parallel_reads 0 is one reader in the step."""
+    sample = 240 * 240 * 144 * 2 * 4  # one channel image + label, float32
+    batch = study().training.batch_size
+    for readers, prefetch, counted_readers in ((2, 1, 2), (0, 0, 1), (4, 3, 4)):
+        config = study(**{"data.parallel_reads": readers, "data.prefetch_batches": prefetch})
+        expected = (prefetch + 2) * batch * sample + counted_readers * estimate.READER_COPIES * sample
+        assert estimate.estimate(config, CALIBRATION)["input_pipeline"] == expected
+
+
 def test_kept_tensors_follow_the_gradient_rules():
     # depth 3, 8 filters, one 16^3 sample: count what the rules keep at full resolution.
     table = recorded_table("unet_depth3_filters8_float32")

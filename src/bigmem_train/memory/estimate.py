@@ -317,7 +317,9 @@ def _input_pipeline_bytes(config: Config, batch: int, shape: tuple[int, int, int
     samples the parallel readers are preparing (the crop as read, the float32 image and label)."""
     sample_bytes = math.prod(shape) * (config.num_channels + 1) * 4
     batches = config.data.prefetch_batches + 2
-    readers = PARALLEL_READS_AUTO if config.data.parallel_reads == "auto" else config.data.parallel_reads
+    readers = (
+        PARALLEL_READS_AUTO if config.data.parallel_reads == "auto" else max(1, config.data.parallel_reads)
+    )
     return batches * batch * sample_bytes + readers * READER_COPIES * sample_bytes
 
 
