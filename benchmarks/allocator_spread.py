@@ -125,6 +125,10 @@ def main() -> int:
     )
     parser.add_argument("--json", type=Path, help="write every run here")
     args = parser.parse_args()
+    for name in args.variants:
+        preload = VARIANTS[name][2].get("LD_PRELOAD")
+        if preload and not Path(preload).is_file():
+            parser.error(f"variant {name!r} needs {preload} (apt-get install libmimalloc2.0)")
     for limit in args.heap_limit_mib:
         name = f"tcmalloc, heap limit {limit} MiB"
         VARIANTS[name] = ("tcmalloc", thp_mode(), {"TCMALLOC_HEAP_LIMIT_MB": str(limit)})
