@@ -82,7 +82,8 @@ VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
 }
 
 
-# name -> data settings, with the kit's allocator (THP as found): who allocates beside the training step.
+# name -> data settings, with the kit's allocator and THP madvise (as its plain variant above): who
+# allocates beside the training step.
 DATA_VARIANTS: dict[str, dict[str, object]] = {
     "tcmalloc, reader in the step (parallel_reads 0, prefetch 0)": {
         "parallel_reads": 0,

@@ -19,12 +19,49 @@ import tempfile
 import time
 from pathlib import Path
 
-from bigmem_train.config import load_config
+from bigmem_train.config import Config, load_config
 from bigmem_train.memory.calibrate import job_config, measure_run
 from bigmem_train.memory.constants import load_calibration
 from bigmem_train.memory.estimate import estimate
 
 GIB = 2**30
+
+
+def interleaved_runs(
+    configs: dict[int, Config], key: str, repeats: int, workdir_name: str
+) -> tuple[dict[int, dict[str, int]], list[dict]]:
+    """Each config's plan, and ``repeats`` whole runs of every config, interleaved (A B A B ...): one row
+    per run (``key``: the config's key, its peak, plan, step and the load before it), printed as it ends."""
+    calibration = load_calibration()
+    planned = {value: estimate(config, calibration) for value, config in configs.items()}
+    workdir = Path(tempfile.gettempdir()) / workdir_name
+    runs = []
+    for repeat in range(repeats):
+        for value, config in configs.items():
+            load = os.getloadavg()[0]
+            metrics = measure_run(config, workdir, "run")
+            row = {
+                key: value,
+                "repeat": repeat,
+                "peak_gib": round(metrics["peak_rss_bytes"] / GIB, 3),
+                "file_backed_at_start_gib": round(metrics.get("file_backed_at_start_bytes", 0) / GIB, 3),
+                "planned_gib": round(sum(planned[value].values()) / GIB, 3),
+                "step_seconds": metrics.get("median_step_seconds"),
+                "load_before": round(load, 2),
+                "time": time.strftime("%H:%M:%S"),
+            }
+            runs.append(row)
+            print(json.dumps(row), flush=True)
+    return planned, runs
+
+
+def write_results(path: Path, job: dict, planned: dict[int, dict[str, int]], runs: list[dict]) -> None:
+    """The job, each config's planned breakdown (GiB) and every run, as JSON."""
+    breakdown = {
+        str(value): {part: round(size / GIB, 4) for part, size in parts.items()}
+        for value, parts in planned.items()
+    }
+    path.write_text(json.dumps({"job": job, "planned_gib": breakdown, "runs": runs}, indent=1) + "\n")
 
 
 def main() -> int:
@@ -39,31 +76,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     x, y, z, filters = args.job
-    base, calibration = load_config(), load_calibration()
+    base = load_config()
     configs = {
         batch: job_config(
             base, shape=(x, y, z), batch=batch, filters=filters, depth=args.depth, channels=args.channels
         )
         for batch in args.batches
     }
-    planned = {batch: estimate(config, calibration) for batch, config in configs.items()}
-    workdir = Path(tempfile.gettempdir()) / "bigmem-batch-scaling"
-    runs = []
-    for repeat in range(args.runs):
-        for batch, config in configs.items():
-            load = os.getloadavg()[0]
-            metrics = measure_run(config, workdir, "run")
-            row = {
-                "batch": batch,
-                "repeat": repeat,
-                "peak_gib": round(metrics["peak_rss_bytes"] / GIB, 3),
-                "planned_gib": round(sum(planned[batch].values()) / GIB, 3),
-                "step_seconds": metrics.get("median_step_seconds"),
-                "load_before": round(load, 2),
-                "time": time.strftime("%H:%M:%S"),
-            }
-            runs.append(row)
-            print(json.dumps(row), flush=True)
+    planned, runs = interleaved_runs(configs, "batch", args.runs, "bigmem-batch-scaling")
     print(f"\n{x}x{y}x{z} f{filters} d{args.depth} c{args.channels}")
     first = args.batches[0]
     low = [row["peak_gib"] for row in runs if row["batch"] == first]
@@ -80,14 +100,8 @@ def main() -> int:
             )
         print(line)
     if args.json:
-        breakdown = {
-            str(batch): {key: round(value / GIB, 4) for key, value in parts.items()}
-            for batch, parts in planned.items()
-        }
         job = {"shape": [x, y, z], "filters": filters, "depth": args.depth, "channels": args.channels}
-        args.json.write_text(
-            json.dumps({"job": job, "planned_gib": breakdown, "runs": runs}, indent=1) + "\n"
-        )
+        write_results(args.json, job, planned, runs)
     return 0
 
 

@@ -16,19 +16,13 @@ None of these jobs is in the accuracy sweep (benchmarks/planner_accuracy.py) or 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import tempfile
-import time
 from pathlib import Path
 
-from bigmem_train.config import load_config
-from bigmem_train.memory.calibrate import job_config, measure_run
-from bigmem_train.memory.constants import load_calibration
-from bigmem_train.memory.estimate import estimate
+from planner_batch_scaling import GIB, interleaved_runs, write_results
 
-GIB = 2**30
+from bigmem_train.config import load_config
+from bigmem_train.memory.calibrate import job_config
 
 
 def main() -> int:
@@ -44,32 +38,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     x, y, z, batch, filters = args.job
-    base, calibration = load_config(), load_calibration()
+    base = load_config()
     configs = {
         channels: job_config(
             base, shape=(x, y, z), batch=batch, filters=filters, depth=args.depth, channels=channels
         )
         for channels in args.channels
     }
-    planned = {channels: estimate(config, calibration) for channels, config in configs.items()}
-    workdir = Path(tempfile.gettempdir()) / "bigmem-channels"
-    runs = []
-    for repeat in range(args.runs):
-        for channels, config in configs.items():
-            load = os.getloadavg()[0]
-            metrics = measure_run(config, workdir, "run")
-            row = {
-                "channels": channels,
-                "repeat": repeat,
-                "peak_gib": round(metrics["peak_rss_bytes"] / GIB, 3),
-                "file_backed_at_start_gib": round(metrics.get("file_backed_at_start_bytes", 0) / GIB, 3),
-                "planned_gib": round(sum(planned[channels].values()) / GIB, 3),
-                "step_seconds": metrics.get("median_step_seconds"),
-                "load_before": round(load, 2),
-                "time": time.strftime("%H:%M:%S"),
-            }
-            runs.append(row)
-            print(json.dumps(row), flush=True)
+    planned, runs = interleaved_runs(configs, "channels", args.runs, "bigmem-channels")
     print(f"\n{x}x{y}x{z} b{batch} f{filters} d{args.depth}")
     mean = {c: statistics.mean(r["peak_gib"] for r in runs if r["channels"] == c) for c in args.channels}
     first = args.channels[0]
@@ -86,14 +62,8 @@ def main() -> int:
             )
         print(line)
     if args.json:
-        breakdown = {
-            str(channels): {key: round(value / GIB, 4) for key, value in parts.items()}
-            for channels, parts in planned.items()
-        }
         job = {"shape": [x, y, z], "batch": batch, "filters": filters, "depth": args.depth}
-        args.json.write_text(
-            json.dumps({"job": job, "planned_gib": breakdown, "runs": runs}, indent=1) + "\n"
-        )
+        write_results(args.json, job, planned, runs)
     return 0
 
 

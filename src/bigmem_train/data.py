@@ -506,6 +506,8 @@ def make_datasets(
     image_shape = (*config.data.input_shape, channels)
     label_shape = (*config.data.input_shape, 1)
     parallel = tf.data.AUTOTUNE if config.data.parallel_reads == "auto" else config.data.parallel_reads
+    # parallel_reads 0: a plain map, run by whoever asks for the next element (the training step).
+    map_options = {"num_parallel_calls": parallel, "deterministic": True} if parallel else {}
     batch_size = config.training.batch_size
     seed = config.training.seed
 
@@ -536,7 +538,7 @@ def make_datasets(
         .shuffle(len(train_cases), seed=seed, reshuffle_each_iteration=True)
         .repeat()
         .enumerate()  # a running sample number seeds each sample's crop and flips
-        .map(map_train, num_parallel_calls=parallel or None, deterministic=True if parallel else None)
+        .map(map_train, **map_options)
         .batch(batch_size, drop_remainder=True)
     )
     validation_indices = np.arange(len(validation_cases), dtype=np.int64)
@@ -546,7 +548,7 @@ def make_datasets(
     validation_padding = len(validation_indices) - len(validation_cases)
     validation = (
         tf.data.Dataset.from_tensor_slices(validation_indices)
-        .map(map_validation, num_parallel_calls=parallel or None, deterministic=True if parallel else None)
+        .map(map_validation, **map_options)
         .batch(batch_size, drop_remainder=workers > 1)
     )
     if config.data.prefetch_batches:
