@@ -551,6 +551,16 @@ def make_datasets(
         .map(map_validation, **map_options)
         .batch(batch_size, drop_remainder=workers > 1)
     )
+    if not parallel:
+        # In the step means on demand. tf.data's default rewrites would still read ahead in their own
+        # threads: map + batch fused into one op with a runner thread, and, with autotuning, a prefetch
+        # injected after a synchronous batch (1-2 batches read ahead, measured). Both off here.
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        options.experimental_optimization.map_and_batch_fusion = False
+        options.experimental_optimization.inject_prefetch = False
+        train = train.with_options(options)
+        validation = validation.with_options(options)
     if config.data.prefetch_batches:
         train = train.prefetch(config.data.prefetch_batches)
         validation = validation.prefetch(config.data.prefetch_batches)

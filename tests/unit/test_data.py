@@ -384,6 +384,46 @@ def test_reader_in_the_step_gives_the_same_batches(tmp_path):
         Config.model_validate({"data": {"parallel_reads": -1}})
 
 
+def test_reader_in_the_step_reads_only_what_the_step_asks(tmp_path, monkeypatch):
+    """parallel_reads 0, prefetch 0: a step that takes two batches of two has read four samples, no more;
+    tf.data's own rewrites (map and batch fused, an injected prefetch) would have read ahead. Two readers
+    with one batch prefetched read ahead, as they should."""
+    import time
+
+    import tensorflow as tf
+
+    folder = write_dataset(tmp_path / "d", [phantom(shape=(18, 15, 12), seed=seed) for seed in range(6)])
+    config = small_config(folder)
+    config.training.batch_size = 2
+    train_cases, validation_cases = split_cases(check_dataset(config), 0.2, seed=1)
+    import bigmem_train.data as data_module
+
+    reads = []
+    prepare = data_module.prepare_case
+
+    def counted(*args, **kwargs):
+        reads.append(1)
+        return prepare(*args, **kwargs)
+
+    monkeypatch.setattr(data_module, "prepare_case", counted)
+
+    @tf.function
+    def step(iterator):
+        return next(iterator)
+
+    counts = {}
+    for readers, prefetch in ((0, 0), (2, 1)):
+        config.data.parallel_reads, config.data.prefetch_batches = readers, prefetch
+        iterator = iter(make_datasets(config, train_cases, validation_cases).train)
+        reads.clear()
+        step(iterator)
+        step(iterator)
+        time.sleep(0.5)  # readers that run ahead have had time to
+        counts[readers] = len(reads)
+    assert counts[0] == 4
+    assert counts[2] > 4
+
+
 def test_corrupt_file_in_the_pipeline_names_the_path(tmp_path):
     folder = write_dataset(tmp_path / "d", [phantom(seed=seed) for seed in range(3)])
     config = small_config(folder, channels="all")
