@@ -6,7 +6,10 @@ allocators that do not strand spans (jemalloc's defaults, tcmalloc's aggressive 
 large tensor afresh and cost about 2x the step with 4 KiB pages. With transparent huge pages a fault maps
 2 MiB at once, and the kit's Ansible play sets THP to "always" on the servers it provisions
 (``bigmem_os_tuning_thp_enabled``), so this measures both the runs as a provisioned host sees them and the
-allocators that might end the spread there.
+allocators that might end the spread there. Further variants fix who allocates beside the step (the reader's
+threads, the kernels' worker threads, Python's cyclic collector) or where the heap's memory comes from
+(address-space randomisation, sbrk) one by one and together, to find what parts the runs (docs/planner.md,
+"What parts the runs").
 
 Each variant runs the job as the planner's sweep does (``measure_run``: `bigmem-train train`, two epochs of
 two steps with validation, checkpoints, TensorBoard and the sampler) with ``runtime.heap_limit: off`` unless
@@ -38,6 +41,9 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
     "tcmalloc, THP madvise": ("tcmalloc", "madvise", {}),
     "tcmalloc, THP always": ("tcmalloc", "always", {}),
+    # No huge pages at all: numpy madvises its large arrays (the reader's volumes) for them, so even under
+    # madvise a run holds some, and khugepaged collapses such regions whenever its scan reaches them.
+    "tcmalloc, THP never": ("tcmalloc", "never", {}),
     "tcmalloc aggressive decommit, THP madvise": (
         "tcmalloc",
         "madvise",
@@ -91,6 +97,40 @@ DATA_VARIANTS: dict[str, dict[str, object]] = {
     },
 }
 VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in DATA_VARIANTS})
+
+# name -> runtime settings, with the kit's allocator and THP madvise: who allocates inside the step. With
+# one intra-op thread (and the ops inline, the kit's default) one thread runs every kernel of the step.
+RUNTIME_VARIANTS: dict[str, dict[str, object]] = {
+    "tcmalloc, one intra-op thread": {"intra_op_threads": 1},
+}
+# Both at once: one thread reads each sample when the step asks for it and runs every kernel.
+ONE_ORDER = "tcmalloc, reader in the step and one intra-op thread"
+DATA_VARIANTS[ONE_ORDER] = DATA_VARIANTS["tcmalloc, reader in the step (parallel_reads 0, prefetch 0)"]
+RUNTIME_VARIANTS[ONE_ORDER] = RUNTIME_VARIANTS["tcmalloc, one intra-op thread"]
+VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in RUNTIME_VARIANTS})
+# ... and Python's cyclic garbage collector off (a sitecustomize on PYTHONPATH calls gc.disable()): when it
+# runs depends on every Python thread's allocations (the sampler's too), and what it frees (tensors held in
+# reference cycles) would then come back to the heap at a different point of the step in every run.
+NO_GC = "tcmalloc, reader in the step, one intra-op thread, no cyclic GC"
+NO_GC_SITE = Path(tempfile.gettempdir()) / "bigmem-allocator-spread-no-gc"
+DATA_VARIANTS[NO_GC] = DATA_VARIANTS[ONE_ORDER]
+RUNTIME_VARIANTS[NO_GC] = RUNTIME_VARIANTS[ONE_ORDER]
+VARIANTS[NO_GC] = ("tcmalloc", "madvise", {"PYTHONPATH": str(NO_GC_SITE)})
+VARIANTS["tcmalloc, no cyclic GC"] = ("tcmalloc", "madvise", {"PYTHONPATH": str(NO_GC_SITE)})
+
+# Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
+# the break cannot grow; a freed span merges only with a span at the next address, so whether two growths
+# land side by side (address-space randomisation, other threads' mappings made in between) could change
+# what the heap can reuse. ASLR is switched through /proc/sys/kernel/randomize_va_space (root), put back
+# at the end; TCMALLOC_SKIP_SBRK makes every growth an mmap.
+ASLR = Path("/proc/sys/kernel/randomize_va_space")
+NO_ASLR = "tcmalloc, address-space randomisation off"
+VARIANTS[NO_ASLR] = ("tcmalloc", "madvise", {})
+VARIANTS["tcmalloc, mmap only (TCMALLOC_SKIP_SBRK)"] = (
+    "tcmalloc",
+    "madvise",
+    {"TCMALLOC_SKIP_SBRK": "true"},
+)
 
 
 def thp_mode() -> str:
@@ -151,14 +191,23 @@ def main() -> int:
     )
     planned = sum(estimate(config, load_calibration()).values())
     workdir = Path(tempfile.gettempdir()) / "bigmem-allocator-spread"
+    if any(VARIANTS[name][2].get("PYTHONPATH") == str(NO_GC_SITE) for name in args.variants):
+        NO_GC_SITE.mkdir(exist_ok=True)
+        (NO_GC_SITE / "sitecustomize.py").write_text("import gc\n\ngc.disable()\n")
     original = thp_mode()
+    original_aslr = ASLR.read_text().strip()
     runs: list[dict] = []
     try:
         for repeat in range(args.runs):
             for name in args.variants:
                 allocator, mode, extra = VARIANTS[name]
                 THP.write_text(mode)
-                runtime = {"allocator": allocator, "heap_limit": held.get(name, "off")}
+                ASLR.write_text("0" if name == NO_ASLR else original_aslr)
+                runtime = {
+                    "allocator": allocator,
+                    "heap_limit": held.get(name, "off"),
+                    **RUNTIME_VARIANTS.get(name, {}),
+                }
                 run_config = config.model_copy(
                     update={
                         "runtime": config.runtime.model_copy(update=runtime),
@@ -192,6 +241,7 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     finally:
         THP.write_text(original)
+        ASLR.write_text(original_aslr)
     print(f"\nplanned {planned / GIB:.3f} GiB")
     for name in args.variants:
         rows = [row for row in runs if row["variant"] == name]
