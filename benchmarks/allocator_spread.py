@@ -117,6 +117,14 @@ DATA_VARIANTS[NO_GC] = DATA_VARIANTS[ONE_ORDER]
 RUNTIME_VARIANTS[NO_GC] = RUNTIME_VARIANTS[ONE_ORDER]
 VARIANTS[NO_GC] = ("tcmalloc", "madvise", {"PYTHONPATH": str(NO_GC_SITE)})
 VARIANTS["tcmalloc, no cyclic GC"] = ("tcmalloc", "madvise", {"PYTHONPATH": str(NO_GC_SITE)})
+# The kit's opt-in middle (runtime.python_gc: step, collect.py): the collector at each step's end, with the
+# default threads, and with the reader on demand as well.
+STEP_GC = "tcmalloc, collector at step ends (runtime.python_gc step)"
+STEP_GC_ON_DEMAND = "tcmalloc, reader in the step, collector at step ends"
+RUNTIME_VARIANTS[STEP_GC] = {"python_gc": "step"}
+RUNTIME_VARIANTS[STEP_GC_ON_DEMAND] = {"python_gc": "step"}
+DATA_VARIANTS[STEP_GC_ON_DEMAND] = DATA_VARIANTS[ONE_ORDER]
+VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in (STEP_GC, STEP_GC_ON_DEMAND)})
 
 # Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
 # the break cannot grow; a freed span merges only with a span at the next address, so whether two growths

@@ -172,6 +172,10 @@ class RuntimeConfig(_Section):
     # the allocation that does not fit, cleanly (exit 3) when TensorFlow's tensor is the one refused, with a
     # segmentation fault when a kernel's own scratch memory is (docs/planner.md).
     heap_limit: str = "off"
+    # Python's cyclic garbage collector: "auto" (Python's own, whenever allocations pass its threshold, from
+    # whichever thread) or "step": off during training, run at the end of every step and epoch, so what it
+    # frees goes back at the same point of every run (collect.py; docs/planner.md, "What parts the runs").
+    python_gc: Literal["auto", "step"] = "auto"
 
     @field_validator("heap_limit", mode="before")
     @classmethod

@@ -19,6 +19,7 @@ from typing import Any
 
 from . import distribute, heap_limit
 from .checkpoints import backup_and_restore, model_checkpoint
+from .collect import collect_at_step_ends_callback
 from .config import Config
 from .data import bad_input_from, make_datasets
 from .guard import MemoryGuard, MemoryStopped, guard_callback
@@ -325,6 +326,9 @@ def train(
         callbacks.append(
             progress_callback(config.training.epochs, datasets.train_steps, plan.peak_bytes if plan else None)
         )
+    # Last, so that what the other callbacks made at a step's end is collected at that step's end too.
+    if config.runtime.python_gc == "step":
+        callbacks.append(collect_at_step_ends_callback())
 
     build = tensorflow_build_info()
     numa_nodes = [node.node_id for node in host.numa_nodes]
