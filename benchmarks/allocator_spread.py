@@ -115,8 +115,9 @@ NO_GC = "tcmalloc, reader in the step, one intra-op thread, no cyclic GC"
 NO_GC_SITE = Path(tempfile.gettempdir()) / "bigmem-allocator-spread-no-gc"
 DATA_VARIANTS[NO_GC] = DATA_VARIANTS[ONE_ORDER]
 RUNTIME_VARIANTS[NO_GC] = RUNTIME_VARIANTS[ONE_ORDER]
-VARIANTS[NO_GC] = ("tcmalloc", "madvise", {"PYTHONPATH": str(NO_GC_SITE)})
-VARIANTS["tcmalloc, no cyclic GC"] = ("tcmalloc", "madvise", {"PYTHONPATH": str(NO_GC_SITE)})
+NO_GC_ENV = {"PYTHONPATH": str(NO_GC_SITE)}
+VARIANTS[NO_GC] = ("tcmalloc", "madvise", NO_GC_ENV)
+VARIANTS["tcmalloc, no cyclic GC"] = ("tcmalloc", "madvise", NO_GC_ENV)
 # The kit's opt-in middle (runtime.python_gc: step, collect.py): the collector at each step's end, with the
 # default threads, and with the reader on demand as well.
 STEP_GC = "tcmalloc, collector at step ends (runtime.python_gc step)"
@@ -199,7 +200,7 @@ def main() -> int:
     )
     planned = sum(estimate(config, load_calibration()).values())
     workdir = Path(tempfile.gettempdir()) / "bigmem-allocator-spread"
-    if any(VARIANTS[name][2].get("PYTHONPATH") == str(NO_GC_SITE) for name in args.variants):
+    if any(VARIANTS[name][2] is NO_GC_ENV for name in args.variants):
         NO_GC_SITE.mkdir(exist_ok=True)
         (NO_GC_SITE / "sitecustomize.py").write_text("import gc\n\ngc.disable()\n")
     original = thp_mode()

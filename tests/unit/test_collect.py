@@ -44,7 +44,8 @@ def test_collector_runs_at_step_ends_only():
     assert gc.isenabled() and not gc.get_freeze_count()  # as it was, once fit ends
 
     # Without it a cycle can outlive its step: automatic collection, held off here, is all that frees it.
-    seen["enabled_in_step"].clear(), seen["cycle_alive_at_next_step"].clear()
+    for values in seen.values():
+        values.clear()
     gc.disable()
     try:
         model.fit(x, y, batch_size=2, epochs=1, verbose=0, callbacks=[MakeCycles()])
