@@ -48,7 +48,9 @@ def _cgroup_version() -> str:
 def test_guard_exit_3_passes_through_docker_run(bigmem_image: str, tmp_path: Path) -> None:
     results = results_folder(tmp_path / "results")
     # Epochs enough that the tenant reaches the guard's threshold before the job ends on a fast host too (14
-    # ended about 2 s after the second epoch on a fast EPYC, before the tenant was done); the guard stops it.
+    # ended about 2 s after the second epoch on a fast EPYC); the guard stops it. The tenant judges the
+    # cgroup's working set, as the guard does, so a cold page cache charged to the container does not
+    # leave it levelling off below the threshold (tests/fixtures/cgroups.py).
     _job(results, epochs=200)
     name = f"bigmem-test-guard-{os.getpid()}"
     limit = 1024 * MIB

@@ -30,6 +30,7 @@ from tests.integration.conftest import bigmem
 
 GIB = 1024**3
 MIB = 1024**2
+GUARDED_EPOCHS = 60
 
 
 def _config(tmp_path: Path, epochs: int) -> Path:
@@ -78,7 +79,12 @@ def test_guard_stops_before_the_limit_and_the_rerun_resumes(tmp_path, version):
     reason = why_not(version)
     if reason:
         pytest.skip(f"cgroup v{version}: {reason}")
-    config = _config(tmp_path, epochs=14)
+    # Epochs enough that the tenant's slow leak reaches the guard's threshold before the job ends on a fast
+    # host too (14 epochs of 0.2 s end about 2.6 s after the first). A fresh-clone CI ended this run with
+    # exit 0: its page cache was cold, the trainer's first read of TensorFlow's libraries was charged to the
+    # cgroup, and a tenant that judged the charge levelled off below the threshold of the working set (the
+    # tenant now judges the working set, as the guard does). The guard stops the run early; the rerun ends it.
+    config = _config(tmp_path, epochs=GUARDED_EPOCHS)
     run_dir = tmp_path / "results" / "guarded"
     cgroup = MemoryCgroup(version, f"bigmem-test-{os.getpid()}-guard", 1 * GIB)
     try:
@@ -128,7 +134,7 @@ def test_guard_stops_before_the_limit_and_the_rerun_resumes(tmp_path, version):
     assert "resuming guarded with a new training.batch_size" in rerun.stdout
     history = (run_dir / "history.csv").read_text().strip().splitlines()[1:]
     epochs = [int(row.split(",")[0]) for row in history]
-    assert epochs == list(range(14))
+    assert epochs == list(range(GUARDED_EPOCHS))
     assert json.loads((run_dir / "state.json").read_text())["state"] == "finished"
 
 
