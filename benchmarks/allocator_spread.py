@@ -126,6 +126,11 @@ RUNTIME_VARIANTS[STEP_GC] = {"python_gc": "step"}
 RUNTIME_VARIANTS[STEP_GC_ON_DEMAND] = {"python_gc": "step"}
 DATA_VARIANTS[STEP_GC_ON_DEMAND] = DATA_VARIANTS[ONE_ORDER]
 VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in (STEP_GC, STEP_GC_ON_DEMAND)})
+# The one-order recipe with the collector kept, run by the kit at step ends instead of switched off.
+STEP_GC_ONE_ORDER = "tcmalloc, reader in the step, one intra-op thread, collector at step ends"
+RUNTIME_VARIANTS[STEP_GC_ONE_ORDER] = {**RUNTIME_VARIANTS[ONE_ORDER], "python_gc": "step"}
+DATA_VARIANTS[STEP_GC_ONE_ORDER] = DATA_VARIANTS[ONE_ORDER]
+VARIANTS[STEP_GC_ONE_ORDER] = ("tcmalloc", "madvise", {})
 
 # Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
 # the break cannot grow; a freed span merges only with a span at the next address, so whether two growths
