@@ -131,6 +131,14 @@ STEP_GC_ONE_ORDER = "tcmalloc, reader in the step, one intra-op thread, collecto
 RUNTIME_VARIANTS[STEP_GC_ONE_ORDER] = {**RUNTIME_VARIANTS[ONE_ORDER], "python_gc": "step"}
 DATA_VARIANTS[STEP_GC_ONE_ORDER] = DATA_VARIANTS[ONE_ORDER]
 VARIANTS[STEP_GC_ONE_ORDER] = ("tcmalloc", "madvise", {})
+# name -> output settings. Runs of the recipe above part at the first step after the first validation and
+# checkpoints; TensorBoard's event writer is one party there that is not the step's.
+OUTPUT_VARIANTS: dict[str, dict[str, object]] = {}
+STEP_GC_ONE_ORDER_NO_TB = f"{STEP_GC_ONE_ORDER}, no TensorBoard"
+RUNTIME_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = RUNTIME_VARIANTS[STEP_GC_ONE_ORDER]
+DATA_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = DATA_VARIANTS[STEP_GC_ONE_ORDER]
+OUTPUT_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = {"tensorboard": False}
+VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = ("tcmalloc", "madvise", {})
 
 # Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
 # the break cannot grow; a freed span merges only with a span at the next address, so whether two growths
@@ -226,6 +234,7 @@ def main() -> int:
                     update={
                         "runtime": config.runtime.model_copy(update=runtime),
                         "data": config.data.model_copy(update=DATA_VARIANTS.get(name, {})),
+                        "output": config.output.model_copy(update=OUTPUT_VARIANTS.get(name, {})),
                     }
                 )
                 saved = {key: os.environ.get(key) for key in extra}
