@@ -139,6 +139,16 @@ RUNTIME_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = RUNTIME_VARIANTS[STEP_GC_ONE_ORDER]
 DATA_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = DATA_VARIANTS[STEP_GC_ONE_ORDER]
 OUTPUT_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = {"tensorboard": False}
 VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = ("tcmalloc", "madvise", {})
+# ... and TensorFlow's executor held to one inter-op thread instead of running ops inline (which still ran
+# them on two threads, partly side by side): every op of the step, one at a time, in one thread.
+ONE_THREAD = f"{STEP_GC_ONE_ORDER}, one inter-op thread"
+RUNTIME_VARIANTS[ONE_THREAD] = {
+    **RUNTIME_VARIANTS[STEP_GC_ONE_ORDER],
+    "inline_ops": False,
+    "inter_op_threads": 1,
+}
+DATA_VARIANTS[ONE_THREAD] = DATA_VARIANTS[STEP_GC_ONE_ORDER]
+VARIANTS[ONE_THREAD] = ("tcmalloc", "madvise", {})
 
 # Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
 # the break cannot grow; a freed span merges only with a span at the next address, so whether two growths
