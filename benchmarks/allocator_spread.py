@@ -126,36 +126,40 @@ RUNTIME_VARIANTS[STEP_GC] = {"python_gc": "step"}
 RUNTIME_VARIANTS[STEP_GC_ON_DEMAND] = {"python_gc": "step"}
 DATA_VARIANTS[STEP_GC_ON_DEMAND] = DATA_VARIANTS[ONE_ORDER]
 VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in (STEP_GC, STEP_GC_ON_DEMAND)})
-# The one-order recipe with the collector kept, run by the kit at step ends instead of switched off.
-STEP_GC_ONE_ORDER = "tcmalloc, reader in the step, one intra-op thread, collector at step ends"
-RUNTIME_VARIANTS[STEP_GC_ONE_ORDER] = {**RUNTIME_VARIANTS[ONE_ORDER], "python_gc": "step"}
-DATA_VARIANTS[STEP_GC_ONE_ORDER] = DATA_VARIANTS[ONE_ORDER]
-VARIANTS[STEP_GC_ONE_ORDER] = ("tcmalloc", "madvise", {})
-# name -> output settings. Runs of the recipe above part at the first step after the first validation and
-# checkpoints; TensorBoard's event writer is one party there that is not the step's.
+# name -> output settings, as DATA_VARIANTS.
 OUTPUT_VARIANTS: dict[str, dict[str, object]] = {}
-STEP_GC_ONE_ORDER_NO_TB = f"{STEP_GC_ONE_ORDER}, no TensorBoard"
-RUNTIME_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = RUNTIME_VARIANTS[STEP_GC_ONE_ORDER]
-DATA_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = DATA_VARIANTS[STEP_GC_ONE_ORDER]
-OUTPUT_VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = {"tensorboard": False}
-VARIANTS[STEP_GC_ONE_ORDER_NO_TB] = ("tcmalloc", "madvise", {})
+
+
+def derive(name: str, base: str, runtime=None, data=None, output=None) -> str:
+    """Register variant ``name``: ``base``'s settings (the kit's allocator, THP madvise) with these on top."""
+    RUNTIME_VARIANTS[name] = {**RUNTIME_VARIANTS.get(base, {}), **(runtime or {})}
+    DATA_VARIANTS[name] = {**DATA_VARIANTS.get(base, {}), **(data or {})}
+    OUTPUT_VARIANTS[name] = {**OUTPUT_VARIANTS.get(base, {}), **(output or {})}
+    VARIANTS[name] = ("tcmalloc", "madvise", {})
+    return name
+
+
+# The one-order recipe with the collector kept, run by the kit at step ends instead of switched off.
+STEP_GC_ONE_ORDER = derive(
+    "tcmalloc, reader in the step, one intra-op thread, collector at step ends",
+    ONE_ORDER,
+    runtime={"python_gc": "step"},
+)
+# Runs of the recipe above part at the first step after the first validation and checkpoints; TensorBoard's
+# event writer is one party there that is not the step's.
+derive(f"{STEP_GC_ONE_ORDER}, no TensorBoard", STEP_GC_ONE_ORDER, output={"tensorboard": False})
 # ... and TensorFlow's executor held to one inter-op thread instead of running ops inline (which still ran
 # them on two threads, partly side by side): every op of the step, one at a time, in one thread.
-ONE_THREAD = f"{STEP_GC_ONE_ORDER}, one inter-op thread"
-RUNTIME_VARIANTS[ONE_THREAD] = {
-    **RUNTIME_VARIANTS[STEP_GC_ONE_ORDER],
-    "inline_ops": False,
-    "inter_op_threads": 1,
-}
-DATA_VARIANTS[ONE_THREAD] = DATA_VARIANTS[STEP_GC_ONE_ORDER]
-VARIANTS[ONE_THREAD] = ("tcmalloc", "madvise", {})
+derive(
+    f"{STEP_GC_ONE_ORDER}, one inter-op thread",
+    STEP_GC_ONE_ORDER,
+    runtime={"inline_ops": False, "inter_op_threads": 1},
+)
 # ... with the ops inline but the kit's memory sampler (a Python thread reading /proc) all but off: one
 # sample a minute. Its peak is then a lower bound; the end state (what the run keeps mapped) still shows.
-RARE_SAMPLES = f"{STEP_GC_ONE_ORDER}, one memory sample a minute"
-RUNTIME_VARIANTS[RARE_SAMPLES] = RUNTIME_VARIANTS[STEP_GC_ONE_ORDER]
-DATA_VARIANTS[RARE_SAMPLES] = DATA_VARIANTS[STEP_GC_ONE_ORDER]
-OUTPUT_VARIANTS[RARE_SAMPLES] = {"sample_interval": 60.0}
-VARIANTS[RARE_SAMPLES] = ("tcmalloc", "madvise", {})
+derive(
+    f"{STEP_GC_ONE_ORDER}, one memory sample a minute", STEP_GC_ONE_ORDER, output={"sample_interval": 60.0}
+)
 
 # Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
 # the break cannot grow; a freed span merges only with a span at the next address, so whether two growths
