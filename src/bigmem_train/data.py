@@ -5,9 +5,10 @@ Stages, each usable alone:
 - :func:`read_index` parses ``dataset.json`` (the ``training`` list) and reads each image header;
 - :func:`check_dataset` opens every image and label, checks shapes, channels, label values and that
   each file is complete (a ``.nii.gz`` is decompressed as a stream, never held), and fails with one
-  line naming the file;
+  line naming the file; it counts each label's foreground, in the whole volume and in the centre crop
+  validation reads;
 - :func:`split_cases` makes the seeded train/validation split (:func:`balance_split` evens it for
-  several workers);
+  several workers); :func:`check_foreground` refuses a split with nothing to learn or to score;
 - :func:`prepare_case` turns one case into the network's input (numpy only: channel selection,
   crop or pad, per-channel z-score over the brain, flips, binary or class labels);
 - :func:`make_datasets` wraps it in ``tf.data``: case indices -> shuffle -> parallel map -> batch ->
@@ -27,7 +28,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,10 @@ class Case:
     label: Path
     shape: tuple[int, int, int]
     channels: int
+    # Foreground voxels of the label (any value above 0), in the whole volume and in the centre crop
+    # at data.input_shape that validation reads; None until check_dataset has read the label.
+    foreground: int | None = None
+    centre_foreground: int | None = None
 
 
 @dataclass
@@ -199,7 +204,8 @@ def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
         raise BadInput(f"{path}: truncated: {total} bytes of data, the header needs {expected}")
 
 
-def _check_case(case: Case, config: Config) -> None:
+def _check_case(case: Case, config: Config) -> Case:
+    """Check one case's files against each other and the config; return it with its foreground counted."""
     image = _load_header(case.image)
     label = _load_header(case.label)
     dtype = image.header.get_data_dtype()
@@ -242,6 +248,17 @@ def _check_case(case: Case, config: Config) -> None:
     except _READ_ERRORS as error:
         raise BadInput(f"{case.label}: cannot be read ({error})") from None
     _check_label_values(case.label, values, config)
+    centre = tuple(
+        slice(start, start + length)
+        for start, _, length in (
+            _placement(source, edge, 0, None) for source, edge in zip(case.shape, config.data.input_shape)
+        )
+    )
+    return replace(
+        case,
+        foreground=int(np.count_nonzero(values > 0)),
+        centre_foreground=int(np.count_nonzero(values[centre] > 0)),
+    )
 
 
 def _check_label_values(path: Path, values: np.ndarray, config: Config) -> None:
@@ -258,7 +275,8 @@ def _check_label_values(path: Path, values: np.ndarray, config: Config) -> None:
 
 
 def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]:
-    """Read the index and check every case; return the cases or raise :class:`BadInput` naming a file.
+    """Read the index and check every case; return the cases (foreground counted) or raise
+    :class:`BadInput` naming a file.
 
     ``dataset_dir`` defaults to ``config.data.path``. Files are checked in a thread pool (zlib
     decompression runs outside the GIL); cases are returned in ``dataset.json`` order.
@@ -271,9 +289,10 @@ def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]
     started = last_line = time.monotonic()
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="check-data") as pool:
         futures = [pool.submit(_check_case, case, config) for case in cases]
+        checked = []
         for done, future in enumerate(futures, start=1):
             try:
-                future.result()
+                checked.append(future.result())
             except BaseException:
                 pool.shutdown(wait=False, cancel_futures=True)
                 raise
@@ -288,7 +307,7 @@ def check_dataset(config: Config, dataset_dir: Path | None = None) -> list[Case]
                     flush=True,
                 )
                 last_line = now
-    return cases
+    return checked
 
 
 def check_dataset_folder(config: Config) -> None:
@@ -311,7 +330,28 @@ def training_split(config: Config, workers: int = 1) -> tuple[list[Case], list[C
     train, validation = split_cases(cases, config.data.validation_fraction, config.data.split_seed)
     if workers > 1:
         train, validation = balance_split(train, validation, config.training.batch_size)
+    check_foreground(train, validation, config)
     return train, validation
+
+
+def check_foreground(train: list[Case], validation: list[Case], config: Config) -> None:
+    """Refuse a split with nothing to learn (no training label has a foreground voxel) or nothing to
+    score (no validation label has one inside the centre crop validation reads): Dice is 1.0 for
+    predicting nothing on a label that is all background, so such a run would pass its Dice floor
+    without having learned anything. Cases not counted (``foreground`` None) are not judged."""
+    if train and all(case.foreground == 0 for case in train):
+        raise BadInput(
+            f"{config.data.path}: none of the {len(train)} training cases' labels has a foreground voxel "
+            "(every value is 0): there is nothing to segment; check the label files"
+        )
+    if validation and all(case.centre_foreground == 0 for case in validation):
+        names = ", ".join(case.name for case in validation[:4]) + (", ..." if len(validation) > 4 else "")
+        shape = "x".join(str(edge) for edge in config.data.input_shape)
+        raise BadInput(
+            f"{config.data.path}: no validation case ({names}) has a foreground voxel inside the {shape} "
+            "centre crop validation reads, so its Dice would be 1.0 for predicting nothing; change "
+            "data.split_seed or data.validation_fraction, or enlarge data.input_shape"
+        )
 
 
 def split_cases(cases: list[Case], validation_fraction: float, seed: int) -> tuple[list[Case], list[Case]]:

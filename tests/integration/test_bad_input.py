@@ -108,6 +108,22 @@ def test_corrupt_gzip_header(tmp_path):
     assert_one_line_error(result, victim.name)
 
 
+def test_labels_with_no_foreground_are_refused_before_training(tmp_path):
+    """All-background labels would score validation Dice 1.0 for predicting nothing: refused, exit 2."""
+    import nibabel as nib
+    import numpy as np
+
+    data = tmp_path / "data"
+    assert bigmem("synth", "--out", data, "--cases", 4, "--shape", "32,32,16").returncode == 0
+    for entry in json.loads((data / "dataset.json").read_text())["training"]:
+        label = nib.load(data / entry["label"])
+        nib.save(nib.Nifti1Image(np.zeros(label.shape, np.uint8), label.affine), data / entry["label"])
+    results = tmp_path / "results"
+    result = bigmem("run", "--data", data, "--results", results, "--set", "data.input_shape=[32,32,16]")
+    assert_one_line_error(result, "labels has a foreground voxel (every value is 0)")
+    assert not (list(results.glob("run-*")) if results.exists() else [])
+
+
 @pytest.mark.parametrize(
     "args, fragment",
     [

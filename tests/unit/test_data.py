@@ -14,10 +14,12 @@ from bigmem_train.data import (
     Case,
     bad_input_from,
     check_dataset,
+    check_foreground,
     make_datasets,
     prepare_case,
     read_index,
     split_cases,
+    training_split,
 )
 from bigmem_train.errors import BadInput
 from tests.unit.nifti_fixtures import phantom, save_nifti, small_config, write_dataset
@@ -339,6 +341,43 @@ def test_split_is_seeded_disjoint_and_non_empty():
     assert len(small_train) == len(small_validation) == 1
     with pytest.raises(BadInput):
         split_cases(make_cases(1), 0.5, seed=0)
+
+
+def test_check_counts_foreground_in_the_volume_and_in_the_validation_crop(tmp_path):
+    """A label whose only foreground lies outside the centre crop counts it in the volume, not the crop."""
+    image, label = phantom(shape=(24, 24, 12))
+    corner = np.zeros_like(label)
+    corner[:3, :3, :3] = 1
+    folder = write_dataset(
+        tmp_path / "data", [(image, label), (image, corner), (image, np.zeros_like(label))]
+    )
+    counted = check_dataset(small_config(folder))  # 16x16x12 centre crop of 24x24x12: x and y 4..20
+    assert [case.foreground for case in counted] == [int((label > 0).sum()), 27, 0]
+    assert counted[0].centre_foreground == int((label[4:20, 4:20, :] > 0).sum()) > 0
+    assert [case.centre_foreground for case in counted[1:]] == [0, 0]
+
+
+def test_a_dataset_whose_labels_are_all_background_is_refused(tmp_path):
+    image, label = phantom()
+    folder = write_dataset(tmp_path / "data", [(image, np.zeros_like(label))] * 4)
+    with pytest.raises(BadInput, match="none of the 3 training cases' labels has a foreground voxel"):
+        training_split(small_config(folder, validation_fraction=0.25))
+
+
+def test_a_validation_split_without_foreground_in_its_crop_is_refused(tmp_path):
+    """Dice is 1.0 for predicting nothing on an all-background label: such a validation set scores nothing."""
+    config = small_config(tmp_path)
+    full = Case("FULL", "i", "l", (16, 16, 12), 1, foreground=50, centre_foreground=50)
+    outside = Case("EDGE", "i", "l", (32, 32, 12), 1, foreground=9, centre_foreground=0)
+    empty = Case("EMPTY", "i", "l", (16, 16, 12), 1, foreground=0, centre_foreground=0)
+    check_foreground([full, empty], [full], config)  # some training case empty: fine
+    check_foreground([full], [outside, full], config)  # one validation case scores: fine
+    with pytest.raises(BadInput) as raised:
+        check_foreground([full], [outside, empty], config)
+    assert "no validation case (EDGE, EMPTY)" in str(raised.value) and "data.split_seed" in str(raised.value)
+    with pytest.raises(BadInput, match="training cases' labels"):
+        check_foreground([empty], [full], config)
+    check_foreground(make_cases(2), make_cases(1), config)  # not counted: not judged
 
 
 # --- tf.data -------------------------------------------------------------------------------------
