@@ -252,13 +252,51 @@ def make_loss(dice_weight: float = 0.7):
     return dice_bce_loss
 
 
-def hard_dice(y_true, y_pred):
-    """Dice of the thresholded (sigmoid > 0.5) or arg-maxed (softmax) prediction."""
-    if y_pred.shape[-1] == 1:
-        prediction = ops.cast(y_pred > 0.5, y_pred.dtype)
-    else:
-        prediction = ops.one_hot(ops.argmax(y_pred, axis=-1), y_pred.shape[-1])
-    return soft_dice(y_true, prediction, smooth=1e-6)
+@keras.saving.register_keras_serializable(package="bigmem_train")
+class HardDice(keras.metrics.Metric):
+    """Dice of the thresholded (sigmoid > 0.5) or arg-maxed (softmax) prediction over every voxel since
+    the last reset (the epoch, or the validation pass), averaged over foreground classes.
+
+    Intersections and totals are summed over the batches and divided once, not averaged batch by batch:
+    a batch whose label is all background scores Dice 1.0 for predicting nothing, and averaging such
+    batches in would lift a model that finds no tumour towards a passing validation score. Summed
+    across replicas in a multi-worker job.
+    """
+
+    def __init__(self, classes: int = 1, name: str = "hard_dice", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.classes = classes
+        foreground = 1 if classes == 1 else classes - 1
+        self.intersection = self.add_variable(
+            shape=(foreground,), initializer="zeros", name="intersection", aggregation="sum"
+        )
+        self.total = self.add_variable(
+            shape=(foreground,), initializer="zeros", name="total", aggregation="sum"
+        )
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_pred = ops.cast(y_pred, "float32")
+        if y_pred.shape[-1] == 1:
+            prediction = ops.cast(y_pred > 0.5, "float32")
+        else:
+            prediction = ops.one_hot(ops.argmax(y_pred, axis=-1), y_pred.shape[-1])
+        y_true = _one_hot_if_needed(y_true, prediction)
+        if prediction.shape[-1] > 1:
+            y_true, prediction = y_true[..., 1:], prediction[..., 1:]
+        axes = tuple(range(len(prediction.shape) - 1))
+        self.intersection.assign_add(ops.sum(y_true * prediction, axis=axes))
+        self.total.assign_add(ops.sum(y_true, axis=axes) + ops.sum(prediction, axis=axes))
+
+    def result(self):
+        smooth = 1e-6
+        return ops.mean((2.0 * self.intersection + smooth) / (self.total + smooth))
+
+    def reset_state(self):
+        for variable in (self.intersection, self.total):
+            variable.assign(ops.zeros(variable.shape, variable.dtype))
+
+    def get_config(self):
+        return {**super().get_config(), "classes": self.classes}
 
 
 def compile_model(config: Config) -> keras.Model:
@@ -276,7 +314,7 @@ def compile_model(config: Config) -> keras.Model:
         loss=make_loss(config.training.dice_weight),
         metrics=[
             keras.metrics.MeanMetricWrapper(soft_dice, name="dice"),
-            keras.metrics.MeanMetricWrapper(hard_dice, name="hard_dice"),
+            HardDice(config.model.output_classes),
         ],
         jit_compile=config.runtime.xla,
     )
