@@ -23,6 +23,8 @@ def load_weights(path):
     """The weights of a saved .keras checkpoint as numpy arrays (no compile needed)."""
     import keras
 
+    import bigmem_train.model  # noqa: F401  (registers the kit's layers, which the archive names)
+
     model = keras.saving.load_model(path, compile=False)
     return [np.asarray(weight) for weight in model.get_weights()]
 
