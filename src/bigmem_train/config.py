@@ -341,8 +341,15 @@ def _format_error(error: ValidationError) -> str:
     return f"config {location or '<root>'}: {message}{extra}" if location else f"config: {message}{extra}"
 
 
-def config_from_dict(raw: dict[str, Any] | None, source: str = "config") -> Config:
-    """Validate a mapping into a :class:`Config`, raising :class:`BadInput` with one line."""
+def config_from_dict(
+    raw: dict[str, Any] | None, source: str = "config", overrides: dict[str, str] | None = None
+) -> Config:
+    """Validate a mapping into a :class:`Config`, raising :class:`BadInput` with one line.
+
+    ``overrides`` maps each dotted key set on the command line to how it was given (``--set
+    training.epochs=0``, ``--run-name x``): an error in such a key names that, not the file; an error
+    of the whole config (a rule across keys) names the file and every override.
+    """
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -350,6 +357,13 @@ def config_from_dict(raw: dict[str, Any] | None, source: str = "config") -> Conf
     try:
         return Config.model_validate(raw)
     except ValidationError as error:
+        overrides = overrides or {}
+        location = ".".join(str(part) for part in error.errors()[0]["loc"])
+        given = [text for key, text in overrides.items() if location == key or location.startswith(f"{key}.")]
+        if given:
+            source = given[0]
+        elif not location and overrides:
+            source = f"{source} with {' '.join(overrides.values())}"
         raise BadInput(f"{source}: {_format_error(error)}") from None
 
 
@@ -393,36 +407,50 @@ def load_yaml(text: str) -> Any:
 
 
 def load_config(
-    path: str | os.PathLike[str] | None = None, overrides: dict[str, Any] | None = None
+    path: str | os.PathLike[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+    origins: dict[str, str] | None = None,
 ) -> Config:
     """Load a YAML config (the built-in default preset when ``path`` is None), apply dotted overrides.
 
-    ``path`` may also name a preset: ``default`` or ``study``.
+    ``path`` may also name a preset: ``default`` or ``study``. ``origins`` says how an override was
+    given (``{"output.run_name": "--run-name x"}``) for the error that names it; an override without
+    one is named as ``--set key=value``.
     """
     raw: dict[str, Any] = {}
-    source = "built-in default"
     if path is None:
         path = PRESETS_DIR / "default.yaml"
     elif not Path(path).exists() and (PRESETS_DIR / f"{path}.yaml").is_file():
         path = PRESETS_DIR / f"{path}.yaml"
-    if path is not None:
-        source = str(path)
-        file = Path(path)
-        if not file.is_file():
-            raise BadInput(f"config file {source} does not exist")
-        try:
-            raw = load_yaml(file.read_text()) or {}
-        except DuplicateKeyError as error:
-            raise BadInput(f"config file {source}: {error}") from None
-        except yaml.YAMLError as error:
-            mark = getattr(error, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark else ""
-            raise BadInput(f"config file {source} is not valid YAML{where}") from None
-        except (OSError, UnicodeDecodeError) as error:
-            raise BadInput(f"config file {source} cannot be read: {error}") from None
+    file = Path(path)
+    # A preset is named as the user asked for it, not by where the package is installed.
+    source = f"preset {file.stem}" if file.parent == PRESETS_DIR else str(path)
+    if not file.is_file():
+        raise BadInput(f"config file {source} does not exist")
+    try:
+        raw = load_yaml(file.read_text()) or {}
+    except DuplicateKeyError as error:
+        raise BadInput(f"config file {source}: {error}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise BadInput(f"config file {source} is not valid YAML{where}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise BadInput(f"config file {source} cannot be read: {error}") from None
     for dotted, value in (overrides or {}).items():
         set_dotted(raw, dotted, value)
-    return config_from_dict(raw, source)
+    given = {
+        dotted: (origins or {}).get(dotted, f"--set {dotted}={_override_text(value)}")
+        for dotted, value in (overrides or {}).items()
+    }
+    return config_from_dict(raw, source, given)
+
+
+def _override_text(value: Any) -> str:
+    """An override's value as it would be typed: YAML flow style, one line."""
+    if isinstance(value, str):
+        return value
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()
 
 
 def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:

@@ -118,3 +118,28 @@ def test_levers_off_written_bare_in_yaml_is_the_word_not_a_boolean(tmp_path):
     assert load_config(path).footprint.levers == "off"
     assert load_config(None, {"footprint.levers": "off"}).footprint.levers == "off"
     assert load_config(None, {"footprint.levers": "auto"}).footprint.levers == "auto"
+
+
+def test_an_error_in_a_command_line_override_names_the_flag_not_the_file(tmp_path, capsys):
+    from bigmem_train.cli import main
+
+    path = write(tmp_path, "training:\n  epochs: 2\n")
+    assert main(["plan", "--config", str(path), "--set", "training.batch_size=0"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        "bigmem-train: error: --set training.batch_size=0: config training.batch_size: "
+        "Input should be greater than or equal to 1"
+    )
+    assert main(["run", "--config", str(path), "--run-name", "../x"]) == 2
+    assert "error: --run-name ../x: config output.run_name:" in capsys.readouterr().err
+    # A rule across keys names the file and what the command line changed.
+    assert main(["plan", "--set", "data.input_shape=[33,32,16]"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "bigmem-train: error: preset default with --set data.input_shape=[33,32,16]: config: data.input_shape"
+    )
+    # An error in the file itself still names the file.
+    bad = write(tmp_path, "training:\n  epochs: 0\n")
+    with pytest.raises(BadInput, match=f"^{bad}: config training.epochs"):
+        load_config(bad, {"training.batch_size": 2})
+    with pytest.raises(BadInput, match=r"^--set training.epochs=-1: config training.epochs"):
+        load_config(None, {"training.epochs": -1})

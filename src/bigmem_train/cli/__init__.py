@@ -156,8 +156,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _overrides(args: argparse.Namespace) -> dict:
-    overrides = dict(parse_override(text) for text in getattr(args, "overrides", []))
+def _overrides_and_origins(args: argparse.Namespace) -> tuple[dict, dict]:
+    """The command line's config overrides, and how each was given (for the error that names one)."""
+    overrides, origins = {}, {}
+    for text in getattr(args, "overrides", []):
+        key, value = parse_override(text)
+        overrides[key], origins[key] = value, f"--set {text}"
     if getattr(args, "target", None):
         # Checked here so the message names the flag, not the config file it overrides.
         try:
@@ -165,19 +169,27 @@ def _overrides(args: argparse.Namespace) -> dict:
         except ValidationError as error:
             message = error.errors()[0]["msg"].removeprefix("Value error, ")
             raise BadInput(f"--target {args.target}: {message}") from None
-        overrides["footprint.target"] = args.target
+        overrides["footprint.target"], origins["footprint.target"] = args.target, f"--target {args.target}"
     if getattr(args, "results", None):
-        overrides["output.results_dir"] = args.results
+        overrides["output.results_dir"], origins["output.results_dir"] = (
+            args.results,
+            f"--results {args.results}",
+        )
     if getattr(args, "run_name", None):
-        overrides["output.run_name"] = args.run_name
+        overrides["output.run_name"], origins["output.run_name"] = (
+            args.run_name,
+            f"--run-name {args.run_name}",
+        )
     if getattr(args, "data", None):
         overrides["data.source"] = "decathlon"
         overrides["data.path"] = args.data
-    return overrides
+        origins["data.source"] = origins["data.path"] = f"--data {args.data}"
+    return overrides, origins
 
 
 def load_job_config(args: argparse.Namespace) -> Config:
-    return load_config(args.config, _overrides(args))
+    overrides, origins = _overrides_and_origins(args)
+    return load_config(args.config, overrides, origins)
 
 
 def main(argv: list[str] | None = None) -> int:
