@@ -59,6 +59,11 @@ def measured_peak(memory: list[dict[str, float]], metrics: dict[str, Any], measu
     return max([int(metrics.get(figure) or 0)] + [int(row.get(column, 0)) for row in memory])
 
 
+def _plan_record(run_dir: Path) -> dict[str, Any]:
+    path = run_dir / "plan.json"
+    return read_json(path) if path.exists() else {}
+
+
 def _history(run_dir: Path) -> list[dict[str, float]]:
     return read_history(run_dir / "history.csv")
 
@@ -124,7 +129,10 @@ def evaluate(run_dir: Path) -> Verdict:
     memory = read_memory_csv(run_dir / "memory.csv")
     peak = measured_peak(memory, metrics)
     tolerance = config.footprint.tolerance
-    target = metrics.get("target_bytes")
+    # metrics.json is written at the end of training; plan.json before the first step. A run that lost
+    # the former is still judged on the plan it was started with, never on fewer criteria.
+    started = {} if {"target_bytes", "planned_peak_bytes"} <= metrics.keys() else _plan_record(run_dir)
+    target = metrics.get("target_bytes") or started.get("target_bytes")
     if target:
         # The footprint check judges what the kernel enforces: the run's cgroup working set when its cgroup
         # had a limit, else RSS; metrics.json's ``memory_measure`` says which.
@@ -153,8 +161,15 @@ def evaluate(run_dir: Path) -> Verdict:
                     f"{distance:.1%} off, tolerance {tolerance:.0%}",
                 )
             )
-    planned = metrics.get("planned_peak_bytes")
-    if planned and peak:
+    planned = metrics.get("planned_peak_bytes") or started.get("peak_bytes")
+    if not (planned and peak):
+        missing = (
+            "planned peak (metrics.json, plan.json)"
+            if not planned
+            else "measured peak (metrics.json, memory.csv)"
+        )
+        criteria.append(Criterion("plan", False, f"no {missing} recorded: the plan cannot be checked"))
+    else:
         # Every run checks the planner (which models resident memory) against the measured RSS peak: a plan
         # off by more than the tolerance would let preflight accept a job the host cannot hold (under) or
         # refuse one it can (over).

@@ -25,6 +25,8 @@ def make_run(
     (run_dir / "state.json").write_text(json.dumps({"state": state}))
     lines = [HEADER] + [f"{i},{d},{d},{loss},{vd},{vd},{loss}\n" for i, (loss, d, vd) in enumerate(rows)]
     (run_dir / "history.csv").write_text("".join(lines))
+    # Every real run is planned before it starts: by default the plan was right.
+    planned = planned if planned is not None else (peak or 1000)
     metrics = {"peak_rss_bytes": peak or 1000, "target_bytes": target, "planned_peak_bytes": planned}
     (run_dir / "metrics.json").write_text(json.dumps(metrics))
     (run_dir / "memory.csv").write_text(
@@ -46,7 +48,27 @@ def test_good_run_passes_and_writes_verdict(tmp_path):
     assert verdict.passed, verdict
     saved = json.loads((run_dir / "verdict.json").read_text())
     assert saved["verdict"] == "PASS"
-    assert {c["name"] for c in saved["criteria"]} == {"finished", "no_nan", "loss_fell", "dice_floor"}
+    assert {c["name"] for c in saved["criteria"]} == {"finished", "no_nan", "loss_fell", "dice_floor", "plan"}
+
+
+def test_a_run_that_lost_its_metrics_is_judged_on_its_plan_and_memory_record(tmp_path):
+    """metrics.json gone: the plan comes from plan.json and the peak from memory.csv; with either gone too,
+    the plan criterion fails rather than dropping out of the verdict."""
+    run_dir = make_run(tmp_path, GOOD, peak=2 * 2**30, target=2 * 2**30)
+    (run_dir / "metrics.json").unlink()
+    (run_dir / "plan.json").write_text(
+        json.dumps({"peak_bytes": int(1.5 * 2**30), "target_bytes": 2 * 2**30})
+    )
+    verdict = evaluate(run_dir)
+    assert {c.name for c in verdict.criteria} >= {"plan", "footprint"}
+    assert {c.name for c in verdict.failed} == {"plan"}  # 1.5 planned against 2.0 measured: -25 %
+    (run_dir / "plan.json").unlink()
+    plan = next(c for c in evaluate(run_dir).criteria if c.name == "plan")
+    assert not plan.passed and "no planned peak" in plan.detail
+    (run_dir / "plan.json").write_text(json.dumps({"peak_bytes": 2 * 2**30}))
+    (run_dir / "memory.csv").unlink()
+    plan = next(c for c in evaluate(run_dir).criteria if c.name == "plan")
+    assert not plan.passed and "no measured peak" in plan.detail
 
 
 def test_loss_that_rose_fails(tmp_path):
