@@ -94,7 +94,7 @@ def test_guard_stops_before_the_limit_and_the_rerun_resumes(tmp_path, version):
         )
         # Two lines of history.csv: its header and the first finished epoch.
         tenant = _popen(
-            tenant_command(run_dir / "history.csv", 2, cgroup.usage_file, cgroup.limit_bytes, slow_mib=8),
+            tenant_command(run_dir / "history.csv", 2, cgroup.limit_bytes, slow_mib=8),
             cgroup,
         )
         try:
