@@ -64,7 +64,7 @@ def job_that_fits_only_when_split() -> tuple[dict, int, int]:
     raise AssertionError(f"no batch up to 128 passes {usable} B")
 
 
-def run_play(folder: Path, job: dict) -> subprocess.CompletedProcess:
+def run_play(folder: Path, job: dict, extra_vars: dict | None = None) -> subprocess.CompletedProcess:
     lines = [
         "[workers]",
         "w0 bigmem_train_worker_port=23456",
@@ -88,6 +88,7 @@ def run_play(folder: Path, job: dict) -> subprocess.CompletedProcess:
         "bigmem_os_tuning_enabled": False,
         "bigmem_docker_engine_enabled": False,
         "bigmem_image_enabled": False,
+        **(extra_vars or {}),
     }
     (folder / "extra.json").write_text(json.dumps(extra))
     env = dict(
@@ -136,3 +137,24 @@ def test_preflight_plans_a_multi_worker_job_per_host(tmp_path: Path):
     text = " ".join(single.stdout.split())
     assert "the planned peak of bigmem_train_job" in text and "safety margin" in text, single.stdout[-3000:]
     assert "per host" not in text
+
+
+def test_a_value_no_role_accepts_stops_the_play_before_any_check(tmp_path: Path):
+    """A mistyped knob is refused from its role's meta/argument_specs.yml before any of preflight's checks
+    run: a later role's knob (THP mode) by preflight's first task, a shared knob (hugepage count, safety
+    margin) by the shared bigmem role's own validation, which runs first; a valid value passes both."""
+    for name, value, fragment in (
+        ("bigmem_os_tuning_thp_enabled", "sometimes", "bigmem_os_tuning_thp_enabled must be one of"),
+        ("bigmem_hugepages_count", "many", "argument 'bigmem_hugepages_count' is of type"),
+        ("bigmem_train_safety_margin", "a tenth", "argument 'bigmem_train_safety_margin' is of type"),
+    ):
+        result = run_play(tmp_path, {"epochs": 1}, {name: value})
+        text = " ".join(result.stdout.split())
+        assert result.returncode == 2, result.stdout[-3000:]
+        assert "Validation of arguments failed" in text and fragment in text, result.stdout[-3000:]
+        assert "Ensure the feature flags are booleans" not in text, "a later task ran"
+        if name == "bigmem_os_tuning_thp_enabled":
+            assert "Ensure the values set for the kit's variables" in text
+    fine = run_play(tmp_path, {"epochs": 1}, {"bigmem_os_tuning_thp_enabled": "madvise"})
+    assert "Validation of arguments failed" not in fine.stdout, fine.stdout[-3000:]
+    assert "Ensure the feature flags are booleans" in " ".join(fine.stdout.split())
