@@ -465,12 +465,13 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[leaf] = value
 
 
-def parse_override(text: str) -> tuple[str, Any]:
-    """``--set training.epochs=3`` -> ("training.epochs", 3), the value parsed as YAML."""
+def parse_override(text: str, flag: str = "--set", example: str = "training.epochs=3") -> tuple[str, Any]:
+    """``--set training.epochs=3`` -> ("training.epochs", 3), the value parsed as YAML; ``flag`` and
+    ``example`` name the option in the error (``--var``, ``epochs=3``)."""
     if "=" not in text:
-        raise BadInput(f"--set {text!r}: expected KEY=VALUE, e.g. training.epochs=3")
+        raise BadInput(f"{flag} {text!r}: expected KEY=VALUE, e.g. {example}")
     key, value = text.split("=", 1)
     try:
         return key.strip(), yaml.safe_load(value)
     except yaml.YAMLError:
-        raise BadInput(f"--set {text!r}: value is not valid YAML") from None
+        raise BadInput(f"{flag} {text!r}: value is not valid YAML") from None

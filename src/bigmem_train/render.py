@@ -55,7 +55,7 @@ def parse_variables(texts: list[str]) -> dict[str, Any]:
     """``["epochs=3", "dataset_path=/data"]`` -> {"epochs": 3, "dataset_path": "/data"} (values parsed as YAML)."""
     variables = {}
     for text in texts:
-        key, value = parse_override(text)
+        key, value = parse_override(text, flag="--var", example="epochs=3")
         if not key.isidentifier():
             raise BadInput(f"--var {text!r}: {key!r} is not a template variable name")
         variables[key] = value

@@ -127,8 +127,17 @@ def test_bad_values_and_names_are_refused_with_one_line():
         render("train.yaml.j2", {"epochs": 0})
     with pytest.raises(BadInput, match="not found"):
         render("nope.j2", {})
-    with pytest.raises(BadInput, match="KEY=VALUE"):
+    with pytest.raises(BadInput, match="^--var 'epochs': expected KEY=VALUE"):
         parse_variables(["epochs"])
+    # Values are not coerced: a word or a fraction where a whole number belongs is named, not read as 0 or 2.
+    with pytest.raises(BadInput, match="training.epochs: Input should be a valid integer, unable to parse"):
+        render("train.yaml.j2", {"epochs": "abc"})
+    with pytest.raises(BadInput, match="training.batch_size: Input should be a valid integer, got a number"):
+        render("train.yaml.j2", {"batch_size": 2.5})
+    with pytest.raises(BadInput, match="validation.dice_floor"):
+        render("train.yaml.j2", {"dice_floor": "high"})
+    # A number given as text (inventory.ini's values are text) is still that number.
+    assert '  epochs: "3"\n' in render("train.yaml.j2", {"epochs": "3"})
 
 
 def test_cli_render_writes_a_config_the_cli_accepts(tmp_path, capsys):
@@ -159,6 +168,10 @@ def test_ansible_renders_the_same_text(tmp_path):
         "results_dir": "/results",
         "target_footprint": "900GiB",
         "allocator": "tcmalloc",
+        "epochs": 3,
+        "batch_size": 4,
+        "dice_floor": 0.6,
+        "safety_margin": 0.15,
     }
     (tmp_path / "vars.json").write_text(json.dumps({"template_variables": variables}))
     playbook = tmp_path / "render.yml"
