@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -128,13 +130,21 @@ DATA_VARIANTS[STEP_GC_ON_DEMAND] = DATA_VARIANTS[ONE_ORDER]
 VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in (STEP_GC, STEP_GC_ON_DEMAND)})
 # name -> output settings, as DATA_VARIANTS.
 OUTPUT_VARIANTS: dict[str, dict[str, object]] = {}
+# name -> validation cases of the whole run (measure_run's default: one, a validation batch of one sample).
+VALIDATION_CASES: dict[str, int] = {}
 
 
-def derive(name: str, base: str, runtime=None, data=None, output=None) -> str:
+def slug(name: str) -> str:
+    """A variant's name as a folder name."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:80]
+
+
+def derive(name: str, base: str, runtime=None, data=None, output=None, validation_cases=None) -> str:
     """Register variant ``name``: ``base``'s settings (the kit's allocator, THP madvise) with these on top."""
     RUNTIME_VARIANTS[name] = {**RUNTIME_VARIANTS.get(base, {}), **(runtime or {})}
     DATA_VARIANTS[name] = {**DATA_VARIANTS.get(base, {}), **(data or {})}
     OUTPUT_VARIANTS[name] = {**OUTPUT_VARIANTS.get(base, {}), **(output or {})}
+    VALIDATION_CASES[name] = validation_cases or VALIDATION_CASES.get(base, 1)
     VARIANTS[name] = ("tcmalloc", "madvise", {})
     return name
 
@@ -160,6 +170,12 @@ derive(
 derive(
     f"{STEP_GC_ONE_ORDER}, one memory sample a minute", STEP_GC_ONE_ORDER, output={"sample_interval": 60.0}
 )
+# ... with validation batches the size of the training batch. The whole run validates one case, so its
+# validation pass runs the forward pass at batch 1 between training steps at the job's batch: tensors of a
+# third (at batch 3) of the training step's sizes, which tcmalloc may cut from the large freed spans the
+# next training step would reuse. ``--job``'s batch cases validate here, one full batch.
+FULL_VALIDATION_BATCH = f"{STEP_GC_ONE_ORDER}, validation a full batch"
+derive(FULL_VALIDATION_BATCH, STEP_GC_ONE_ORDER)
 
 # Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
 # the break cannot grow; a freed span merges only with a span at the next address, so whether two growths
@@ -208,6 +224,9 @@ def main() -> int:
         help="also run the kit's default allocator with runtime.heap_limit at this value (repeatable)",
     )
     parser.add_argument("--json", type=Path, help="write every run here")
+    parser.add_argument(
+        "--keep", type=Path, help="copy each run's memory.csv and steps.csv here (one folder per run)"
+    )
     args = parser.parse_args()
     for name in args.variants:
         preload = VARIANTS[name][2].get("LD_PRELOAD")
@@ -232,6 +251,7 @@ def main() -> int:
         classes=args.classes,
         recompute=args.recompute,
     )
+    VALIDATION_CASES[FULL_VALIDATION_BATCH] = batch
     planned = sum(estimate(config, load_calibration()).values())
     workdir = Path(tempfile.gettempdir()) / "bigmem-allocator-spread"
     if any(VARIANTS[name][2] is NO_GC_ENV for name in args.variants):
@@ -262,7 +282,18 @@ def main() -> int:
                 os.environ.update(extra)
                 load = os.getloadavg()[0]
                 try:
-                    metrics = measure_run(run_config, workdir, "run")
+                    metrics = measure_run(
+                        run_config,
+                        workdir,
+                        "run",
+                        keep=bool(args.keep),
+                        validation_cases=VALIDATION_CASES.get(name, 1),
+                    )
+                    if args.keep:
+                        kept = args.keep / f"{len(runs):02d}-{slug(name)}"
+                        kept.mkdir(parents=True, exist_ok=True)
+                        for record in ("memory.csv", "steps.csv"):
+                            shutil.copy(workdir / "run" / record, kept / record)
                 finally:
                     for key, value in saved.items():
                         if value is None:

@@ -864,3 +864,17 @@ def test_a_rebuilt_block_holds_copies_of_what_crosses_its_boundary():
     assert not any(key.startswith("down0") for key in rebuilt)
     # Every rebuilt tensor is freed within the block.
     assert all(rows[reader]["block"] == "up0" for _, readers in rebuilt.values() for reader in readers)
+
+
+def test_a_whole_run_validates_one_case_or_as_many_as_asked(tmp_path):
+    """measure_run's short run: three training cases and one validation case by default; asked for a full
+    validation batch, that many cases validate and the training cases stay three."""
+    from bigmem_train.data import split_cases
+
+    config = load_config(None, {"training.batch_size": 3})
+    for validation_cases in (1, 3):
+        run = calibrate.whole_run_config(config, tmp_path, "run", validation_cases=validation_cases)
+        cases = list(range(run.data.synthetic_cases))
+        train, validation = split_cases(cases, run.data.validation_fraction, run.data.split_seed)
+        assert (len(train), len(validation)) == (3, validation_cases)
+        assert (run.training.epochs, run.training.steps_per_epoch) == (2, 2)

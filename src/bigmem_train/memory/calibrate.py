@@ -107,16 +107,18 @@ WHOLE_RUN_STEPS = 2
 WHOLE_RUN_CASES = 4
 
 
-def whole_run_config(config: Config, results_dir: Path, run_name: str) -> Config:
+def whole_run_config(config: Config, results_dir: Path, run_name: str, validation_cases: int = 1) -> Config:
     """``config`` as a short whole run of the same job (model, batch, shape, channels, runtime), trained
-    by ``bigmem-train train`` on a synthetic dataset of its input shape kept under ``results_dir``."""
+    by ``bigmem-train train`` on a synthetic dataset of its input shape kept under ``results_dir``;
+    ``validation_cases`` cases validate (one by default: a validation batch of one sample)."""
     data = config.model_dump(mode="json")
+    cases = WHOLE_RUN_CASES - 1 + validation_cases
     data["data"].update(
         source="synthetic",
         path=None,
-        synthetic_cases=WHOLE_RUN_CASES,
+        synthetic_cases=cases,
         synthetic_shape=list(config.data.input_shape),
-        validation_fraction=0.25,
+        validation_fraction=validation_cases / cases,
     )
     data["training"].update(
         epochs=WHOLE_RUN_EPOCHS, steps_per_epoch=WHOLE_RUN_STEPS, validation_steps=None, strategy="single"
@@ -127,12 +129,17 @@ def whole_run_config(config: Config, results_dir: Path, run_name: str) -> Config
 
 
 def measure_run(
-    config: Config, results_dir: Path, run_name: str, timeout: float = 7200, keep: bool = False
+    config: Config,
+    results_dir: Path,
+    run_name: str,
+    timeout: float = 7200,
+    keep: bool = False,
+    validation_cases: int = 1,
 ) -> dict[str, Any]:
     """Run ``bigmem-train train`` on ``config`` as a short whole run (:func:`whole_run_config`) in a
     child process, as a user would; return its metrics.json (peak resident memory, step times) with
     the wall time. The run directory is removed unless ``keep``."""
-    run_config = whole_run_config(config, results_dir, run_name)
+    run_config = whole_run_config(config, results_dir, run_name, validation_cases)
     results_dir.mkdir(parents=True, exist_ok=True)
     config_file = results_dir / f"{run_name}.yaml"
     config_file.write_text(json.dumps(run_config.model_dump(mode="json")))
