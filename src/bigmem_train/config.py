@@ -84,6 +84,12 @@ class DataConfig(_Section):
     def _check_source(self) -> DataConfig:
         if self.source == "decathlon" and self.path is None:
             raise ValueError("data.path is required when data.source is 'decathlon'")
+        # Refused here, before a synthetic dataset (minutes at full size) is written only to fail its check.
+        if self.source == "synthetic" and isinstance(self.channels, list) and max(self.channels) >= 4:
+            raise ValueError(
+                f"data.channels {self.channels}: the synthetic dataset has 4 channels "
+                "(0 FLAIR, 1 T1w, 2 T1gd, 3 T2w)"
+            )
         return self
 
 
@@ -313,6 +319,15 @@ class Config(_Section):
             raise ValueError("model.output_classes must be 1 when data.label_mode is 'binary'")
         if self.data.label_mode == "multiclass" and self.model.output_classes < 2:
             raise ValueError("model.output_classes must be >= 2 when data.label_mode is 'multiclass'")
+        if (
+            self.data.source == "synthetic"
+            and self.data.label_mode == "multiclass"
+            and self.model.output_classes < 4
+        ):
+            raise ValueError(
+                "model.output_classes must be >= 4 for the synthetic dataset's multiclass labels (0..3: background, "
+                "edema, non-enhancing and enhancing tumour)"
+            )
         return self
 
     # Derived values, computed in one place.
@@ -360,10 +375,12 @@ def config_from_dict(
         overrides = overrides or {}
         location = ".".join(str(part) for part in error.errors()[0]["loc"])
         given = [text for key, text in overrides.items() if location == key or location.startswith(f"{key}.")]
+        # A rule of a section (or of the whole config) may be broken by overrides of its keys.
+        within = [text for key, text in overrides.items() if not location or key.startswith(f"{location}.")]
         if given:
             source = given[0]
-        elif not location and overrides:
-            source = f"{source} with {' '.join(overrides.values())}"
+        elif within:
+            source = f"{source} with {' '.join(within)}"
         raise BadInput(f"{source}: {_format_error(error)}") from None
 
 

@@ -143,3 +143,20 @@ def test_an_error_in_a_command_line_override_names_the_flag_not_the_file(tmp_pat
         load_config(bad, {"training.batch_size": 2})
     with pytest.raises(BadInput, match=r"^--set training.epochs=-1: config training.epochs"):
         load_config(None, {"training.epochs": -1})
+
+
+def test_the_synthetic_dataset_s_channels_and_classes_are_checked_before_it_is_written(capsys):
+    """The synthetic dataset has 4 channels and labels 0..3: a job asking for more is refused by the config,
+    before minutes of writing full-size cases, and the error names the override that asked."""
+    from bigmem_train.cli import main
+
+    assert main(["plan", "--set", "data.channels=[0,4]", "--set", "training.epochs=3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "bigmem-train: error: preset default with --set data.channels=[0,4]: config data: data.channels [0, 4]: "
+        "the synthetic dataset has 4 channels (0 FLAIR, 1 T1w, 2 T1gd, 3 T2w)"
+    )
+    with pytest.raises(BadInput, match="output_classes must be >= 4 for the synthetic dataset"):
+        load_config(None, {"data.label_mode": "multiclass", "model.output_classes": 3})
+    assert load_config(None, {"data.label_mode": "multiclass", "model.output_classes": 4}).num_channels == 1
+    # A Decathlon folder's own files say what they hold: checked when they are read (data.py).
+    load_config(None, {"data.source": "decathlon", "data.path": "/data", "data.channels": [5]})
