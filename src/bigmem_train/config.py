@@ -129,6 +129,10 @@ class TrainingConfig(_Section):
     seed: int = 0
     # "single": one process; "multi_worker": tf.distribute.MultiWorkerMirroredStrategy from TF_CONFIG.
     strategy: Literal["single", "multi_worker"] = "single"
+    # multi_worker: seconds a worker may send no heartbeat before the job stops as failed. TensorFlow's
+    # default is 10 s, which a loaded host can miss while it faults in a large step's memory (a two-worker
+    # job on 2 vCPUs stopped so, both workers healthy); a worker that really died is noticed this late.
+    worker_heartbeat_timeout: float = Field(60.0, gt=0.0, le=86400.0)
 
 
 def _check_size_text(value: str, what: str, alternatives: str = "") -> None:

@@ -163,11 +163,39 @@ def make_strategy(config: Config):
     cluster = require_cluster()
     per_worker_batch_size(config, cluster.count)
     _patch_keras_for_multi_worker()
+    configure_coordination(config.training.worker_heartbeat_timeout)
     # Ring all-reduce over TCP: the implementation for CPU hosts (NCCL is for GPUs).
     options = tf.distribute.experimental.CommunicationOptions(
         implementation=tf.distribute.experimental.CommunicationImplementation.RING
     )
     return tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
+
+
+def configure_coordination(heartbeat_timeout_s: float) -> None:
+    """Configure TensorFlow's coordination service as MultiWorkerMirroredStrategy would, with a
+    heartbeat timeout of our own.
+
+    The strategy sets the service up only when nothing has yet (TensorFlow 2.21's
+    ``collective_all_reduce_strategy``), with a 10 s heartbeat timeout and no way to pass another; so
+    this sets it first, through the eager context's own setter (not public API: the strategy calls it
+    the same way). The leader and the coordinated jobs are the ones the strategy would choose.
+    """
+    import tensorflow as tf
+    from tensorflow.python.distribute import multi_worker_util
+    from tensorflow.python.eager import context
+
+    spec = tf.distribute.cluster_resolver.TFConfigClusterResolver().cluster_spec()
+    context.context().configure_coordination_service(
+        service_type="standalone",
+        service_leader=multi_worker_util.coordination_leader(spec),
+        heartbeat_timeout_in_ms=round(heartbeat_timeout_s * 1000),
+    )
+    # The coordinated jobs go into the config the setter made (its protobuf module moves between
+    # TensorFlow releases; the message it holds does not).
+    coordination = context.context().coordination_service
+    for job in ("chief", "worker"):
+        if job in spec.jobs:
+            coordination.coordinated_job_list.add(name=job, num_tasks=spec.num_tasks(job))
 
 
 _KERAS_PATCHED = False

@@ -7,8 +7,10 @@ validation, failed on it, and the chief aborted in the next all-reduce."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -40,56 +42,50 @@ def assert_trained_in_lockstep(chief, worker):
         np.testing.assert_array_equal(mine, theirs)
 
 
-def test_two_workers_train_in_lockstep(tmp_path):
+def start_two_workers(tmp_path, config, *settings):
+    """Two `bigmem-train run` workers of one job on loopback, TF_CONFIG rendered from the template,
+    each with its own results folder (as two hosts would have) and log; returns the processes."""
     ports = [free_port(), free_port()]
     groups = {"workers": ["w0", "w1"]}
     hostvars = {
         name: {"ansible_host": "127.0.0.1", "bigmem_train_worker_port": port}
         for name, port in zip(groups["workers"], ports)
     }
-    # 12 cases: the split gives 9 training, 3 validation; evened to 8 and 4 for two workers (batch 2).
-    config = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
     processes = []
     for index, name in enumerate(groups["workers"]):
         tf_config = render_tf_config(groups, hostvars, name, "workers")
         assert parse_tf_config(tf_config).index == index
-        # Each worker has its own results folder, as two hosts would.
-        results = tmp_path / name
         environment = {
             **os.environ,
             "TF_CONFIG": tf_config,
             "TF_CPP_MIN_LOG_LEVEL": "2",
             "OMP_NUM_THREADS": "1",
         }
+        command = [sys.executable, "-m", "bigmem_train.cli", "run", "--config", str(config)]
+        command += ["--results", str(tmp_path / name), "--run-name", "mw"]
+        for setting in ("runtime.intra_op_threads=1", *settings):
+            command += ["--set", setting]
         log = open(tmp_path / f"{name}.log", "w")
-        processes.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "bigmem_train.cli",
-                    "run",
-                    "--config",
-                    str(config),
-                    "--results",
-                    str(results),
-                    "--run-name",
-                    "mw",
-                    "--set",
-                    "runtime.intra_op_threads=1",
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=environment,
-            )
-        )
+        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment))
+    return processes
+
+
+def wait_for_workers(tmp_path, processes):
+    """Each worker's exit code and log, killing any worker still running after 10 minutes."""
     try:
         codes = [process.wait(timeout=600) for process in processes]
     finally:
         for process in processes:
             if process.poll() is None:
                 process.kill()
-    logs = {name: (tmp_path / f"{name}.log").read_text() for name in groups["workers"]}
+    logs = {name: (tmp_path / f"{name}.log").read_text() for name in ("w0", "w1")}
+    return codes, logs
+
+
+def test_two_workers_train_in_lockstep(tmp_path):
+    # 12 cases: the split gives 9 training, 3 validation; evened to 8 and 4 for two workers (batch 2).
+    config = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
+    codes, logs = wait_for_workers(tmp_path, start_two_workers(tmp_path, config))
     assert codes == [0, 0], "\n".join(f"--- {name}\n{text[-3000:]}" for name, text in logs.items())
 
     chief, worker = tmp_path / "w0" / "mw", tmp_path / "w1" / "mw.worker1"
@@ -109,3 +105,42 @@ def test_two_workers_train_in_lockstep(tmp_path):
     # The weights moved: this was training, not two copies of the initial model.
     initial_loss = json.loads((chief / "metrics.json").read_text())["initial_loss"]
     assert initial_loss > json.loads((chief / "metrics.json").read_text())["final_loss"]
+
+
+def stall_worker_after_first_epoch(tmp_path, processes, seconds):
+    """Stop worker 1 (SIGSTOP: no heartbeats, no steps) once the chief has logged its first epoch, for
+    ``seconds``, then let it go on; False when the job ended before its first epoch was logged."""
+    history = tmp_path / "w0" / "mw" / "history.csv"
+    deadline = time.monotonic() + 300
+    while not (history.exists() and len(history.read_text().splitlines()) >= 2):
+        if time.monotonic() > deadline or any(process.poll() is not None for process in processes):
+            return False
+        time.sleep(0.05)
+    processes[1].send_signal(signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        processes[1].send_signal(signal.SIGCONT)
+    return True
+
+
+@pytest.mark.parametrize("timeout, survives", [(None, True), (5, False)], ids=["default", "5s"])
+def test_a_stalled_worker_stops_the_job_only_past_the_heartbeat_timeout(tmp_path, timeout, survives):
+    """A worker that goes silent for 15 s (as a loaded host faulting in a large step can) must not stop
+    the job under the kit's default heartbeat timeout; TensorFlow's own 10 s stopped such a job in CI.
+    Held to 5 s, the same stall stops it: the setting reaches TensorFlow's coordination service."""
+    config = write_tiny_job(tmp_path / "job.yaml", epochs=4, strategy="multi_worker", cases=12)
+    settings = [] if timeout is None else [f"training.worker_heartbeat_timeout={timeout}"]
+    processes = start_two_workers(tmp_path, config, *settings)
+    try:
+        stalled = stall_worker_after_first_epoch(tmp_path, processes, seconds=15)
+    finally:
+        codes, logs = wait_for_workers(tmp_path, processes)
+    report = "\n".join(f"--- {name}\n{text[-3000:]}" for name, text in logs.items())
+    assert stalled, report
+    if survives:
+        assert codes == [0, 0], report
+        assert json.loads((tmp_path / "w0" / "mw" / "verdict.json").read_text())["verdict"] == "PASS"
+    else:
+        assert codes[0] != 0 and codes[1] != 0, report
+        assert "heartbeat" in logs["w0"] + logs["w1"], report

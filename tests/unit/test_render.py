@@ -103,6 +103,21 @@ def test_rendered_multi_worker_job_says_so(tmp_path):
     )
     config = load_config(out)
     assert config.training.strategy == "multi_worker" and config.training.batch_size == 4
+    assert config.training.worker_heartbeat_timeout == 60
+
+    out.write_text(
+        render(
+            "train.yaml.j2",
+            {
+                "physical_cores": 2,
+                "numa_node_count": 1,
+                "strategy": "multi_worker",
+                "batch_size": 4,
+                "worker_heartbeat_timeout": "300",
+            },
+        )
+    )
+    assert load_config(out).training.worker_heartbeat_timeout == 300
 
 
 @pytest.mark.parametrize(
