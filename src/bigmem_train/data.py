@@ -254,10 +254,11 @@ def _check_case(case: Case, config: Config) -> Case:
             _placement(source, edge, 0, None) for source, edge in zip(case.shape, config.data.input_shape)
         )
     )
+    foreground = values > 0
     return replace(
         case,
-        foreground=int(np.count_nonzero(values > 0)),
-        centre_foreground=int(np.count_nonzero(values[centre] > 0)),
+        foreground=int(np.count_nonzero(foreground)),
+        centre_foreground=int(np.count_nonzero(foreground[centre])),
     )
 
 

@@ -42,9 +42,14 @@ def read_json(path: Path) -> Any:
         raise BadInput(f"{path} is not valid JSON") from None
 
 
-def read_state(run_dir: Path) -> dict[str, Any]:
-    path = Path(run_dir) / STATE_FILE
+def read_record(path: Path) -> dict[str, Any]:
+    """A run's JSON record, or {} when the run has not written it (yet)."""
+    path = Path(path)
     return read_json(path) if path.exists() else {}
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    return read_record(Path(run_dir) / STATE_FILE)
 
 
 def set_state(run_dir: Path, state: str, **extra: Any) -> None:

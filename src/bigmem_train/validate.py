@@ -11,7 +11,7 @@ from typing import Any
 from .config import load_config
 from .errors import BadInput
 from .postmortem import diagnose
-from .rundir import FINISHED, read_history, read_json, read_memory_csv, read_state, write_json
+from .rundir import FINISHED, read_history, read_memory_csv, read_record, read_state, write_json
 from .sizes import format_bytes
 
 
@@ -59,11 +59,6 @@ def measured_peak(memory: list[dict[str, float]], metrics: dict[str, Any], measu
     return max([int(metrics.get(figure) or 0)] + [int(row.get(column, 0)) for row in memory])
 
 
-def _plan_record(run_dir: Path) -> dict[str, Any]:
-    path = run_dir / "plan.json"
-    return read_json(path) if path.exists() else {}
-
-
 def _history(run_dir: Path) -> list[dict[str, float]]:
     return read_history(run_dir / "history.csv")
 
@@ -78,7 +73,7 @@ def evaluate(run_dir: Path) -> Verdict:
     config = load_config(run_dir / "config.yaml")
     state = read_state(run_dir).get("state", "unknown")
     history = _history(run_dir)
-    metrics = read_json(run_dir / "metrics.json") if (run_dir / "metrics.json").exists() else {}
+    metrics = read_record(run_dir / "metrics.json")
     criteria: list[Criterion] = []
 
     state_file = read_state(run_dir)
@@ -131,7 +126,9 @@ def evaluate(run_dir: Path) -> Verdict:
     tolerance = config.footprint.tolerance
     # metrics.json is written at the end of training; plan.json before the first step. A run that lost
     # the former is still judged on the plan it was started with, never on fewer criteria.
-    started = {} if {"target_bytes", "planned_peak_bytes"} <= metrics.keys() else _plan_record(run_dir)
+    started = (
+        {} if {"target_bytes", "planned_peak_bytes"} <= metrics.keys() else read_record(run_dir / "plan.json")
+    )
     target = metrics.get("target_bytes") or started.get("target_bytes")
     if target:
         # The footprint check judges what the kernel enforces: the run's cgroup working set when its cgroup
