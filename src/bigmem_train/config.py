@@ -31,6 +31,13 @@ Shape3D = tuple[int, int, int]
 MAX_BATCH_SIZE = 4096
 
 
+def _check_edge_count(value: Any) -> Any:
+    """A shape given as a list must have three edges; said so, rather than as a missing third item."""
+    if isinstance(value, list | tuple) and len(value) != 3:
+        raise ValueError(f"a shape has 3 edges (x, y, z), got {len(value)}: {list(value)}")
+    return value
+
+
 def _check_shape(value: Shape3D) -> Shape3D:
     if any(edge < 1 for edge in value):
         raise ValueError(f"every edge must be positive, got {list(value)}")
@@ -68,6 +75,7 @@ class DataConfig(_Section):
     # Batches prefetched ahead of the step.
     prefetch_batches: int = Field(1, ge=0, le=64)
 
+    _count_edges = field_validator("synthetic_shape", "input_shape", mode="before")(_check_edge_count)
     _check_synthetic_shape = field_validator("synthetic_shape", "input_shape")(_check_shape)
 
     @field_validator("channels")
@@ -446,6 +454,8 @@ def load_config(
     file = Path(path)
     # A preset is named as the user asked for it, not by where the package is installed.
     source = f"preset {file.stem}" if file.parent == PRESETS_DIR else str(path)
+    if file.is_dir():
+        raise BadInput(f"config file {source} is a folder; name a YAML file (or a preset: default, study)")
     if not file.is_file():
         raise BadInput(f"config file {source} does not exist")
     try:

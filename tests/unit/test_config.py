@@ -41,6 +41,8 @@ def write(tmp_path, text):
         ("nonsense: 1\n", "nonsense: unknown key"),
         ("- a\n- b\n", "top level must be a mapping"),
         ("training: [1\n", "not valid YAML at line"),
+        ("data:\n  input_shape: [64, 64]\n", "data.input_shape: a shape has 3 edges (x, y, z), got 2"),
+        ("data:\n  synthetic_shape: [64, 64, 48, 4]\n", "data.synthetic_shape: a shape has 3 edges"),
     ],
 )
 def test_bad_config_is_one_line_naming_the_field(tmp_path, text, fragment):
@@ -55,6 +57,8 @@ def test_bad_config_is_one_line_naming_the_field(tmp_path, text, fragment):
 def test_missing_config_file(tmp_path):
     with pytest.raises(BadInput, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
+    with pytest.raises(BadInput, match="is a folder; name a YAML file"):
+        load_config(tmp_path)
 
 
 def test_overrides_are_typed_and_validated(tmp_path):
