@@ -67,6 +67,10 @@ def parse_tf_config(text: str) -> WorkerCluster:
     workers = [*cluster.get("chief", []), *cluster.get("worker", [])]
     if not workers or not all(isinstance(address, str) and ":" in address for address in workers):
         raise BadInput(f'{TF_CONFIG_ENV} cluster.worker must list "host:port" addresses, got {workers}')
+    for address in workers:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise BadInput(f"{TF_CONFIG_ENV} address {address!r} needs a host and a port from 1 to 65535")
     task_type, index = task.get("type"), task.get("index")
     members = cluster.get(task_type) if isinstance(task_type, str) else None
     if not members or not isinstance(index, int) or not 0 <= index < len(members):
@@ -283,5 +287,11 @@ def render_tf_config(
         inventory_hostname=inventory_hostname,
         bigmem_train_group=group,
     )
-    parse_tf_config(text)
+    try:
+        parse_tf_config(text)
+    except BadInput as error:
+        raise BadInput(
+            f"inventory group {group}: {error} (the hosts' bigmem_train_worker_address or ansible_host, "
+            "and bigmem_train_worker_port)"
+        ) from None
     return text.strip()

@@ -178,9 +178,31 @@ def load_inventory(path: str | Path) -> Inventory:
         }
         hosts[host.name] = _remote_host(host.name, wanted, path)
     if not hosts:
-        raise BadInput(f"inventory {path} has no hosts (is it an Ansible INI or YAML inventory?)")
+        reason = _why_unparsed(path, loader)
+        raise BadInput(
+            f"inventory {path} has no hosts: {reason}"
+            if reason
+            else f"inventory {path} has no hosts (is it an Ansible INI or YAML inventory?)"
+        )
     groups = {name: [host.name for host in group.get_hosts()] for name, group in inventory.groups.items()}
     return Inventory(path=path, hosts=hosts, groups=groups)
+
+
+def _why_unparsed(path: Path, loader: Any) -> str:
+    """Ansible's own reason an inventory file gave no hosts, from its INI or YAML plugin ('' if it parses:
+    then it just has none). The inventory manager only warns, and not with the reason."""
+    from ansible.inventory.data import InventoryData
+    from ansible.plugins.loader import inventory_loader
+
+    plugin = inventory_loader.get("yaml" if path.suffix in (".yml", ".yaml") else "ini")
+    try:
+        plugin.parse(InventoryData(), loader, str(path.resolve()))
+    except Exception as error:  # Ansible's parser errors, and what its INI parser lets through
+        reason = str(error).removeprefix("Failed to parse inventory: ").splitlines()[0]
+        if "unpack" in reason:  # a section header missing its bracket, read as a host line
+            reason = "a line Ansible cannot read (an unclosed [section]?)"
+        return reason
+    return ""
 
 
 def _remote_host(name: str, variables: dict[str, Any], inventory_path: Path) -> RemoteHost:

@@ -43,6 +43,9 @@ def test_parse_and_roles():
         ('{"cluster": {"worker": ["nohost"]}, "task": {"type": "worker", "index": 0}}', "host:port"),
         (tf_config(2), "does not name one of the cluster's members"),
         (tf_config(0, ("a:1", "a:1")), "lists an address twice"),
+        (tf_config(0, ("a:1", "b:99999")), "'b:99999' needs a host and a port from 1 to 65535"),
+        (tf_config(0, ("a:1", ":2")), "':2' needs a host and a port"),
+        (tf_config(0, ("a:1", "b:http")), "'b:http' needs a host and a port"),
     ],
 )
 def test_bad_tf_config_is_one_clear_line(text, message):
@@ -82,6 +85,9 @@ def test_template_renders_workers_in_inventory_order():
         assert list(cluster.workers) == EXPECTED and cluster.index == index
     with pytest.raises(BadInput, match="not in inventory group"):
         render_tf_config(GROUPS, HOSTVARS, "elsewhere", "workers")
+    bad_port = {**HOSTVARS, "w2": {"bigmem_train_worker_port": 99999}}
+    with pytest.raises(BadInput, match="inventory group workers: .*'w2:99999'.*bigmem_train_worker_port"):
+        render_tf_config(GROUPS, bad_port, "w0", "workers")
 
 
 @pytest.mark.skipif(

@@ -60,3 +60,29 @@ def test_inventory_connection_settings(tmp_path):
         parsed.targets("nowhere")
     with pytest.raises(BadInput, match="does not exist"):
         load_inventory(tmp_path / "missing.ini")
+
+
+@pytest.mark.parametrize(
+    "name, text, reason",
+    [
+        ("inventory.ini", "[lab\nnode1\n", r"an unclosed \[section\]"),
+        (
+            "inventory.ini",
+            "[lab:vars]\nansible_user=ops\n",
+            "Section \\[lab:vars\\] not valid for undefined group",
+        ),
+        ("inventory.ini", "[lab]\nnode1 garbage\n", "Expected key=value host variable assignment"),
+        ("inventory.yml", "all:\n  hosts: [\n", "YAML parsing failed"),
+    ],
+)
+def test_an_inventory_ansible_cannot_read_gives_ansibles_reason(tmp_path, name, text, reason):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(BadInput, match=f"inventory .*{name} has no hosts: .*{reason}") as error:
+        load_inventory(tmp_path / name)
+    assert "\n" not in str(error.value)
+
+
+def test_an_inventory_with_an_empty_group_has_no_hosts(tmp_path):
+    (tmp_path / "inventory.ini").write_text("[lab]\n")
+    with pytest.raises(BadInput, match=r"has no hosts \(is it an Ansible INI or YAML inventory\?\)"):
+        load_inventory(tmp_path / "inventory.ini")
