@@ -26,7 +26,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from .errors import BadInput
+from .errors import BadInput, DoesNotFit
+from .sizes import format_bytes
 
 # Bump when the generator changes what it writes, so an older dataset is regenerated, not reused.
 GENERATOR_VERSION = 2
@@ -49,6 +50,29 @@ _TISSUE_MEANS = {
 _NOISE_SIGMA = 30.0
 # Relative variation of a tumour blob's radius with direction.
 _WOBBLE = 0.12
+
+
+# Peak memory of writing one case, per voxel: the int16 four-contrast image (8 B), the label and the
+# float32 and boolean volumes the phantom is built from (measured 40 B at 96^3, 37 B at 160^3 for the
+# phantom alone, 47 B at 160^3 with the NIfTI writer; rounded up).
+CASE_BYTES_PER_VOXEL = 48
+
+
+def check_case_fits(shape: tuple[int, int, int], room_bytes: int | None = None, room: str = "") -> None:
+    """Refuse (:class:`DoesNotFit`, exit 3) a case too large to build in this host's memory, before
+    anything is written; ``room_bytes`` defaults to what the host leaves this process."""
+    if room_bytes is None:
+        from .host import read_host_facts
+
+        facts = read_host_facts()
+        room_bytes, room = facts.effective_memory_bytes, facts.limit_in_force
+    need = int(np.prod(shape, dtype=np.int64)) * CASE_BYTES_PER_VOXEL
+    if need > room_bytes:
+        raise DoesNotFit(
+            f"synthetic dataset: building one case of {'x'.join(map(str, shape))} needs about "
+            f"{format_bytes(need)} of memory; {room or 'this host'} leaves {format_bytes(room_bytes)} "
+            "(a smaller data.synthetic_shape, or synth --shape)"
+        )
 
 
 def case_name(index: int) -> str:
@@ -87,6 +111,7 @@ def write_synthetic_dataset(out_dir: Path, cases: int, shape: tuple[int, int, in
             flush=True,
         )
         return out_dir
+    check_case_fits(shape)
     if state == "other-parameters":
         _remove_our_files(out_dir)
     images_dir, labels_dir = out_dir / "imagesTr", out_dir / "labelsTr"

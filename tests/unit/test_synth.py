@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import nibabel as nib
 import numpy as np
 import pytest
 
 from bigmem_train.data import check_dataset
-from bigmem_train.errors import BadInput
-from bigmem_train.synth import IN_PROGRESS_MARKER, synthesize_case, write_synthetic_dataset
+from bigmem_train.errors import BadInput, DoesNotFit
+from bigmem_train.synth import (
+    CASE_BYTES_PER_VOXEL,
+    IN_PROGRESS_MARKER,
+    check_case_fits,
+    synthesize_case,
+    write_synthetic_dataset,
+)
 from tests.unit.nifti_fixtures import small_config
 
 SHAPE = (16, 16, 12)
@@ -131,3 +139,32 @@ def test_rejects_bad_parameters(tmp_path):
         write_synthetic_dataset(tmp_path / "a", cases=0, shape=SHAPE)
     with pytest.raises(BadInput):
         write_synthetic_dataset(tmp_path / "b", cases=2, shape=(16, 2, 12))
+
+
+def test_a_case_too_large_for_the_host_is_refused_before_anything_is_written(tmp_path):
+    # 4000^3 voxels need about 2.8 TiB to build: no test host has that.
+    with pytest.raises(DoesNotFit, match=r"one case of 4000x4000x4000 needs about \d+ B \(2861.02 GiB\)"):
+        write_synthetic_dataset(tmp_path / "big", cases=2, shape=(4000, 4000, 4000))
+    assert not (tmp_path / "big").exists()
+    check_case_fits((64, 64, 48), room_bytes=64 * 64 * 48 * CASE_BYTES_PER_VOXEL)
+    with pytest.raises(DoesNotFit, match="the cgroup v2 memory limit leaves"):
+        check_case_fits((64, 64, 48), room_bytes=1 << 20, room="the cgroup v2 memory limit")
+
+
+def test_the_per_voxel_figure_covers_a_real_case(tmp_path):
+    """Building and writing one 96^3 case allocates at most CASE_BYTES_PER_VOXEL per voxel at its peak
+    (numpy's buffers, as tracemalloc counts them; in a fresh process, so nothing else is live)."""
+    code = (
+        "import sys, tracemalloc\n"
+        "from pathlib import Path\n"
+        "from bigmem_train.synth import write_synthetic_dataset\n"
+        "tracemalloc.start()\n"
+        "write_synthetic_dataset(Path(sys.argv[1]), cases=1, shape=(96, 96, 96))\n"
+        "print(tracemalloc.get_traced_memory()[1])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "one")], capture_output=True, text=True, check=True
+    )
+    peak = int(result.stdout.split()[-1])
+    # The image alone is 8 B per voxel: a peak below that would mean the measurement missed the case.
+    assert 96**3 * 8 < peak <= 96**3 * CASE_BYTES_PER_VOXEL
