@@ -146,6 +146,9 @@ def read_index(dataset_dir: Path) -> list[Case]:
         raise BadInput(f"{index_path}: the 'training' list is empty")
 
     cases = []
+    # Each file and case name once: a case listed twice can land in both the training and the validation
+    # set, and the model is then scored on a volume it was fitted on.
+    seen: dict[object, int] = {}
     for position, entry in enumerate(index["training"]):
         if not (
             isinstance(entry, dict)
@@ -157,6 +160,18 @@ def read_index(dataset_dir: Path) -> list[Case]:
         for path in (image_path, label_path):
             if not path.is_file():
                 raise BadInput(f"{path}: missing (listed in {index_path} training[{position}])")
+        for what, key in (
+            ("image", ("file", image_path.resolve())),
+            ("label", ("file", label_path.resolve())),
+            ("case name", ("name", _case_name(image_path))),
+        ):
+            if key in seen:
+                raise BadInput(
+                    f"{index_path}: training[{position}] lists the {what} {key[1]} that training[{seen[key]}] "
+                    "lists: a case in both the training and the validation set would be scored on data "
+                    "it was fitted on"
+                )
+            seen[key] = position
         shape, channels = _geometry(image_path, _load_header(image_path))
         cases.append(Case(_case_name(image_path), image_path, label_path, shape, channels))
     return cases

@@ -70,6 +70,47 @@ def test_missing_training_list(dataset):
     assert_bad_input(lambda: read_index(dataset), dataset / "dataset.json")
 
 
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (lambda training: training.append(dict(training[0])), "image"),
+        (lambda training: training[1].update(image=training[0]["image"]), "image"),
+        (lambda training: training[1].update(label=training[0]["label"]), "label"),
+        # The same file by another spelling of its path.
+        (
+            lambda training: training.append(
+                {**training[0], "image": "imagesTr/../imagesTr/CASE_001.nii.gz"}
+            ),
+            "image",
+        ),
+    ],
+)
+def test_a_case_listed_twice_is_refused(dataset, change, what):
+    index = json.loads((dataset / "dataset.json").read_text())
+    change(index["training"])
+    (dataset / "dataset.json").write_text(json.dumps(index))
+    with pytest.raises(BadInput, match=f"lists the {what} .* that training\\[0\\] lists: a case in both"):
+        read_index(dataset)
+
+
+def test_two_files_of_one_case_name_are_refused(dataset, tmp_path):
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    for folder in ("imagesTr", "labelsTr"):
+        (other / folder).mkdir()
+        (other / folder / "CASE_001.nii.gz").write_bytes((dataset / folder / "CASE_001.nii.gz").read_bytes())
+    index = json.loads((dataset / "dataset.json").read_text())
+    index["training"].append(
+        {
+            "image": str(other / "imagesTr" / "CASE_001.nii.gz"),
+            "label": str(other / "labelsTr" / "CASE_001.nii.gz"),
+        }
+    )
+    (dataset / "dataset.json").write_text(json.dumps(index))
+    with pytest.raises(BadInput, match="lists the case name CASE_001 that training\\[0\\] lists"):
+        read_index(dataset)
+
+
 def test_missing_image_file(dataset):
     (dataset / "imagesTr" / "CASE_002.nii.gz").unlink()
     assert_bad_input(lambda: check_dataset(small_config(dataset)), dataset / "imagesTr" / "CASE_002.nii.gz")
