@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import jinja2
 
 from .config import Config
-from .errors import BadInput
+from .errors import EXIT_FAIL, BadInput, BigmemError
 
 TF_CONFIG_ENV = "TF_CONFIG"
 TF_CONFIG_TEMPLATE = "tf_config.json.j2"
@@ -200,6 +201,66 @@ def configure_coordination(heartbeat_timeout_s: float) -> None:
     for job in ("chief", "worker"):
         if job in spec.jobs:
             coordination.coordinated_job_list.add(name=job, num_tasks=spec.num_tasks(job))
+
+
+class WorkerLost(BigmemError):
+    """A multi-worker job stopped because a worker stopped answering: exit 1, the job ran and did not finish
+    (every worker resumes from its last finished epoch when the job is started again)."""
+
+    exit_code = EXIT_FAIL
+
+
+_TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+
+
+def _task_name(job: str, index: int, environ: Mapping[str, str] | None = None) -> str:
+    """``worker 1 (10.0.0.12:12345)``: a TensorFlow task as TF_CONFIG names it, with its address."""
+    try:
+        address = json.loads((os.environ if environ is None else environ)[TF_CONFIG_ENV])["cluster"][job][
+            index
+        ]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return f"{job} {index}"
+    return f"{job} {index} ({address})"
+
+
+def worker_lost(
+    error: BaseException, config: Config, environ: Mapping[str, str] | None = None
+) -> WorkerLost | None:
+    """The one-line :class:`WorkerLost` for TensorFlow's error when a multi-worker job lost a worker, or
+    None for any other error.
+
+    TensorFlow's coordination service stops every worker's collective ops when a task sends no heartbeat
+    for ``training.worker_heartbeat_timeout``: the task that holds the service (the chief) names the silent
+    tasks; the others report that they cannot reach the service.
+    """
+    if config.training.strategy != "multi_worker":
+        return None
+    text = str(getattr(error, "message", error))
+    timeout = f"{config.training.worker_heartbeat_timeout:g} s"
+    if "stopped sending heartbeats" in text:
+        silent = _TASK.findall(text.split("stopped sending heartbeats", 1)[1])
+        who = (
+            ", ".join(_task_name(job, int(index), environ) for job, index in dict.fromkeys(silent))
+            or "a worker"
+        )
+        what = f"{who} sent no heartbeat for {timeout} (training.worker_heartbeat_timeout)"
+    elif type(error).__name__ in {"UnavailableError", "AbortedError"} or "Collective ops is aborted" in text:
+        remote = re.search(r"remote target /job:(\w+)/replica:\d+/task:(\d+)", text)
+        if remote:
+            peer = _task_name(remote.group(1), int(remote.group(2)), environ)
+        elif "coordination service" in text:
+            peer = f"the chief, {_task_name('worker', 0, environ)}, which holds the coordination service"
+        else:
+            peer = "another worker"
+        what = f"this worker lost {peer}: it stopped, or stopped the job"
+    else:
+        return None
+    return WorkerLost(
+        f"multi-worker job stopped: {what}; TensorFlow stops every worker when one is lost. Start the job "
+        "again on every host to resume from the last finished epoch (with a longer "
+        "training.worker_heartbeat_timeout if a host was only slow)"
+    )
 
 
 _KERAS_PATCHED = False

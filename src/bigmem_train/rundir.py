@@ -24,6 +24,11 @@ RESIZABLE_ON_RESUME = (
     ("runtime", "heap_limit"),
     ("footprint", "tolerance"),
 )
+# Config fields any unfinished run may change when it is resumed: how the job is run, not what it computes.
+CHANGEABLE_ON_RESUME = (
+    # A multi-worker job stopped because a slow host missed its heartbeats resumes with a longer timeout.
+    ("training", "worker_heartbeat_timeout"),
+)
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -104,13 +109,15 @@ def process_identity() -> dict[str, Any]:
     return identity
 
 
-def _resizable_difference(saved_text: str, resolved_text: str) -> list[str] | None:
-    """The resizable fields (dotted) two configs differ in, or None when they differ anywhere else."""
+def _resizable_difference(
+    saved_text: str, resolved_text: str, fields: tuple[tuple[str, str], ...]
+) -> list[str] | None:
+    """The ``fields`` (dotted) two configs differ in, or None when they differ anywhere else."""
     import yaml
 
     saved, resolved = yaml.safe_load(saved_text), yaml.safe_load(resolved_text)
     changed = []
-    for section, key in RESIZABLE_ON_RESUME:
+    for section, key in fields:
         if (saved.get(section) or {}).get(key) != (resolved.get(section) or {}).get(key):
             changed.append(f"{section}.{key}")
             saved.setdefault(section, {})[key] = (resolved.get(section) or {}).get(key)
@@ -156,13 +163,14 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
         saved = run_dir / "config.yaml"
         if saved.exists() and saved.read_text() != resolved:
             stopped_for_memory = read_state(run_dir).get("stopped") == "memory"
-            changed = _resizable_difference(saved.read_text(), resolved) if stopped_for_memory else None
+            fields = (RESIZABLE_ON_RESUME if stopped_for_memory else ()) + CHANGEABLE_ON_RESUME
+            changed = _resizable_difference(saved.read_text(), resolved, fields)
             if not changed:
                 hint = (
                     " (a run stopped for memory may change only training.batch_size, data.input_shape, "
-                    "runtime.heap_limit and footprint.tolerance)"
+                    "runtime.heap_limit, footprint.tolerance and training.worker_heartbeat_timeout)"
                     if stopped_for_memory
-                    else ""
+                    else " (a resumed run may change only training.worker_heartbeat_timeout)"
                 )
                 raise BadInput(
                     f"run {run_dir} exists with a different config; choose another --run-name{hint}"

@@ -372,9 +372,13 @@ def train(
         except tf.errors.OpError as error:
             # A volume that turned out unreadable mid-run: one line naming the file, exit 2.
             bad_input = bad_input_from(error)
-            if bad_input is None:
+            if bad_input is not None:
+                raise bad_input from None
+            # A multi-worker job whose peer went silent: one line saying which, not TensorFlow's trace.
+            lost = distribute.worker_lost(error, config)
+            if lost is None:
                 raise
-            raise bad_input from None
+            raise lost from None
     session_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     extra = {
         **build,

@@ -17,6 +17,7 @@ from bigmem_train.distribute import (
     render_tf_config,
     templates_dir,
     worker_count,
+    worker_lost,
     worker_run_name,
 )
 from bigmem_train.errors import BadInput
@@ -138,3 +139,39 @@ def test_planner_plans_one_replica_per_host(monkeypatch):
     assert abs(multi_plan.breakdown["activations"] * 2 - single_plan.breakdown["activations"]) <= 2
     assert multi_plan.breakdown["allreduce_buffers"] == multi_plan.breakdown["gradients"]
     assert multi_plan.breakdown["weights"] == single_plan.breakdown["weights"]
+
+
+# TensorFlow 2.21's texts (abridged) when worker 1 of two went silent past the heartbeat timeout.
+CHIEF_SAW = (
+    "{{function_node __wrapped__CollectiveReduceV2_Nordering_token_1_device_/job:worker/replica:0/task:0/"
+    "device:CPU:0}} Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks "
+    "are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have crashed."
+)
+WORKER_SAW = (
+    "{{function_node __wrapped__CollectiveReduceV2_Nordering_token_1_device_/job:worker/replica:0/task:1/"
+    "device:CPU:0}} Collective ops is aborted by: Failed to send RPC to coordination service. Either the "
+    "leader task was preempted/died/restarted unexpectedly or this task is experiencing network issues."
+)
+
+# ... or, once the chief had stopped, a collective op's call to it.
+WORKER_SAW_LATER = (
+    "Collective ops is aborted by: failed to connect to all addresses; last error: UNKNOWN: "
+    "ipv4:127.0.0.1:34451: Failed to connect to remote host: Connection refused\nAdditional GRPC error "
+    "information from remote target /job:worker/replica:0/task:0 while calling "
+    "/tensorflow.WorkerService/CompleteInstance:"
+)
+
+
+def test_a_lost_worker_is_one_line_naming_it():
+    config = load_config(None, {"training.strategy": "multi_worker", "training.worker_heartbeat_timeout": 30})
+    environ = {"TF_CONFIG": tf_config(0)}
+    lost = worker_lost(RuntimeError(CHIEF_SAW), config, environ)
+    assert lost is not None and lost.exit_code == 1
+    assert str(lost).startswith("multi-worker job stopped: worker 1 (b:2) sent no heartbeat for 30 s")
+    assert "\n" not in str(lost)
+    lost = worker_lost(RuntimeError(WORKER_SAW), config, {"TF_CONFIG": tf_config(1)})
+    assert "this worker lost the chief, worker 0 (a:1), which holds the coordination service" in str(lost)
+    lost = worker_lost(RuntimeError(WORKER_SAW_LATER), config, {"TF_CONFIG": tf_config(1)})
+    assert "this worker lost worker 0 (a:1): it stopped, or stopped the job" in str(lost)
+    assert worker_lost(RuntimeError("Conv3D: out of range"), config, environ) is None
+    assert worker_lost(RuntimeError(CHIEF_SAW), load_config(None), environ) is None
