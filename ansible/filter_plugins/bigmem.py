@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 try:
-    from bigmem_train import postmortem, sizes
+    from bigmem_train import postmortem, sizes, template_names
 except ImportError:  # the controller runs from a checkout without the kit installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-    from bigmem_train import postmortem, sizes
+    from bigmem_train import postmortem, sizes, template_names
 
 from ansible.errors import AnsibleFilterError
 
@@ -217,11 +217,27 @@ def bigmem_bios_plan(wanted, current, settings=None, dependencies=None, replace_
     }
 
 
+def bigmem_job_variable_errors(job, templates_dir):
+    """'' when every key of ``job`` (bigmem_train_job) is a variable templates/train.yaml.j2 or runtime.env.j2
+    reads; else one line naming the others, with the closest names (a typo would be ignored otherwise)."""
+    try:
+        known = template_names.template_names(Path(templates_dir), template_names.JOB_TEMPLATES)
+        template_names.check_variable_names(
+            job or {}, known, "bigmem_train_job", template_names.JOB_TEMPLATES
+        )
+    except template_names.BadInput as error:
+        return str(error)
+    except OSError as error:
+        raise AnsibleFilterError(f"templates in {templates_dir}: {error}") from None
+    return ""
+
+
 class FilterModule:
     """bigmem filters."""
 
     def filters(self):
         return {
+            "bigmem_job_variable_errors": bigmem_job_variable_errors,
             "bigmem_size_bytes": bigmem_size_bytes,
             "bigmem_gib": bigmem_gib,
             "bigmem_run_ending": bigmem_run_ending,

@@ -158,3 +158,15 @@ def test_a_value_no_role_accepts_stops_the_play_before_any_check(tmp_path: Path)
     fine = run_play(tmp_path, {"epochs": 1}, {"bigmem_os_tuning_thp_enabled": "madvise"})
     assert "Validation of arguments failed" not in fine.stdout, fine.stdout[-3000:]
     assert "Ensure the feature flags are booleans" in " ".join(fine.stdout.split())
+
+
+def test_a_job_variable_no_template_reads_stops_the_play_before_any_check(tmp_path: Path):
+    """`bigmem_train_job: {batchsize: 16}` would render the default batch without a word: the preflight
+    names it, and the closest variable, before its other checks."""
+    result = run_play(tmp_path, {"batchsize": 16, "epochs": 1})
+    text = " ".join(result.stdout.split())
+    assert result.returncode == 2, result.stdout[-3000:]
+    assert (
+        "bigmem_train_job: 'batchsize' (did you mean 'batch_size'?) is not read by train.yaml.j2" in text
+    ), result.stdout[-3000:]
+    assert "Ensure the feature flags are booleans" not in text, "a later task ran"

@@ -155,3 +155,15 @@ def test_reduced_memory_modes():
     assert filters.bigmem_reduced_memory_modes({}, modes, "System") == [
         "MemorySummary.MemoryMirroring=System"
     ]
+
+
+def test_job_variables_no_template_reads_are_named():
+    templates = Path(__file__).resolve().parents[2] / "templates"
+    assert filters.bigmem_job_variable_errors({}, str(templates)) == ""
+    assert filters.bigmem_job_variable_errors({"batch_size": 4, "tf_log_level": 1}, str(templates)) == ""
+    message = filters.bigmem_job_variable_errors({"batchsize": 16}, str(templates))
+    assert message.startswith("bigmem_train_job: 'batchsize' (did you mean 'batch_size'?) is not read by")
+    from ansible.errors import AnsibleFilterError
+
+    with pytest.raises(AnsibleFilterError, match="templates in"):
+        filters.bigmem_job_variable_errors({"epochs": 1}, str(templates / "missing"))

@@ -15,6 +15,7 @@ from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.host import HostFacts, NumaNode
 from bigmem_train.render import host_variables, list_templates, parse_variables, render, templates_dir
+from bigmem_train.template_names import JOB_TEMPLATES, check_variable_names, template_names
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
@@ -162,6 +163,30 @@ def test_cli_render_writes_a_config_the_cli_accepts(tmp_path, capsys):
     assert main(["render", "--list"]) == 0
     assert "train.yaml.j2" in capsys.readouterr().out
     assert main(["render", "--var", "batch_size=-1"]) == 2
+
+
+def test_a_variable_the_template_does_not_read_is_refused_naming_the_closest(capsys):
+    # Without the check, batchsize=16 rendered the default batch without a word.
+    assert main(["render", "--var", "batchsize=16", "--var", "epochs=2"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (
+        "bigmem-train: error: --var: 'batchsize' (did you mean 'batch_size'?) is not read by train.yaml.j2, "
+        "so it would change nothing (the variables: templates/README.md)"
+    )
+    assert main(["render", "runtime.env.j2", "--var", "batch_size=2"]) == 2
+    assert "'batch_size' is not read by runtime.env.j2" in capsys.readouterr().err
+
+
+def test_the_job_variables_are_what_the_templates_read_and_readme_documents():
+    known = template_names(templates_dir(), JOB_TEMPLATES)
+    assert {"batch_size", "epochs", "input_shape", "strategy", "worker_heartbeat_timeout"} <= known
+    assert not {"cores", "nodes"} & known, "variables a template sets are not the caller's"
+    readme = (REPO / "templates" / "README.md").read_text()
+    host_facts = set(host_variables(two_node_host())) | {"dataset_path", "results_dir"}
+    undocumented = sorted(name for name in known - host_facts if f"`{name}`" not in readme)
+    assert not undocumented, f"templates/README.md does not document {undocumented}"
+    with pytest.raises(BadInput, match=r"'epoch' \(did you mean 'epochs'\?\), 'zzz' are not read by"):
+        check_variable_names({"epoch": 3, "zzz": 1, "depth": 3}, known, "job", JOB_TEMPLATES)
 
 
 def test_templates_dir_can_be_overridden(tmp_path, monkeypatch):

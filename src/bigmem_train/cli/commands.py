@@ -17,10 +17,11 @@ from ..memory.levers import levers_to_fit
 from ..memory.plan import plan_job
 from ..memory.preflight import check_fits, usable_bytes
 from ..pipeline import run_job
-from ..render import host_variables, list_templates, parse_variables, render
+from ..render import host_variables, list_templates, parse_variables, render, templates_dir
 from ..report import write_report
 from ..sizes import format_bytes, gib
 from ..synth import write_synthetic_dataset
+from ..template_names import check_variable_names, template_names
 from ..validate import format_verdict, validate_run
 from .output import format_host, format_plan, host_summary
 
@@ -148,7 +149,11 @@ def render_command(args: argparse.Namespace) -> int:
             print(name)
         return 0
     variables = host_variables(read_host_facts())
-    variables.update(parse_variables(args.variables))
+    given = parse_variables(args.variables)
+    directory = templates_dir()
+    if args.template in list_templates(directory):  # an unknown one gets render's own error
+        check_variable_names(given, template_names(directory, [args.template]), "--var", [args.template])
+    variables.update(given)
     text = render(args.template, variables)
     if args.out and args.out != "-":
         out = Path(args.out)
