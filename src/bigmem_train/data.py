@@ -160,10 +160,11 @@ def read_index(dataset_dir: Path) -> list[Case]:
         for path in (image_path, label_path):
             if not path.is_file():
                 raise BadInput(f"{path}: missing (listed in {index_path} training[{position}])")
+        name = _case_name(image_path)
         for what, key in (
             ("image", ("file", image_path.resolve())),
             ("label", ("file", label_path.resolve())),
-            ("case name", ("name", _case_name(image_path))),
+            ("case name", ("name", name)),
         ):
             if key in seen:
                 raise BadInput(
@@ -173,7 +174,7 @@ def read_index(dataset_dir: Path) -> list[Case]:
                 )
             seen[key] = position
         shape, channels = _geometry(image_path, _load_header(image_path))
-        cases.append(Case(_case_name(image_path), image_path, label_path, shape, channels))
+        cases.append(Case(name, image_path, label_path, shape, channels))
     return cases
 
 

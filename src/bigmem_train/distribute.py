@@ -246,7 +246,7 @@ def worker_lost(
         )
         what = f"{who} sent no heartbeat for {timeout} (training.worker_heartbeat_timeout)"
     elif type(error).__name__ in {"UnavailableError", "AbortedError"} or "Collective ops is aborted" in text:
-        remote = re.search(r"remote target /job:(\w+)/replica:\d+/task:(\d+)", text)
+        remote = re.search(f"remote target {_TASK.pattern}", text)
         if remote:
             peer = _task_name(remote.group(1), int(remote.group(2)), environ)
         elif "coordination service" in text:
