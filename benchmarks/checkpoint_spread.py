@@ -23,9 +23,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bigmem_train.checkpoints import WRITER_ENVIRONMENT
 from bigmem_train.config import load_config
 from bigmem_train.memory.calibrate import job_config, measure_run
+from bigmem_train.train.checkpoints import WRITER_ENVIRONMENT
 
 GIB = 2**30
 WRITERS = {"streamed": None, "keras": "keras"}

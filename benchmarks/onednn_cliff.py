@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO / "src"))
 
-from bigmem_train.conv import (  # noqa: E402 (the checkout's src/ first, set just above)
+from bigmem_train.model.conv import (  # noqa: E402 (the checkout's src/ first, set just above)
     ConvGeometry,
     gemm_backward_weights_fits,
     gemm_backward_weights_scratchpad_bytes,
@@ -57,7 +57,7 @@ def log(message: str) -> None:
 def worker(spec: dict) -> dict:
     import tensorflow as tf
 
-    from bigmem_train.conv import chunked_filter_gradient
+    from bigmem_train.model.conv import chunked_filter_gradient
 
     if spec.get("threads"):
         tf.config.threading.set_intra_op_parallelism_threads(spec["threads"])
@@ -179,7 +179,7 @@ def child_env(isa: str | None) -> dict:
 
 
 def section_create(args) -> dict:
-    from bigmem_train.kernel_check import probe_backward_weights
+    from bigmem_train.model.kernel_check import probe_backward_weights
 
     chunk = plan_depth_chunk(TILE_LAYER)
     cases = [

@@ -112,7 +112,7 @@ def main() -> int:
         if any(len(case) != 6 for case in cases):
             raise SystemExit("--case takes batch,depth,height,width,in_channels,out_channels")
     from bigmem_train.config import load_config
-    from bigmem_train.launch import runtime_environment
+    from bigmem_train.train.launch import runtime_environment
 
     env = dict(runtime_environment(load_config()), TF_CPP_MIN_LOG_LEVEL="3")
     print(

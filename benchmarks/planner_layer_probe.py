@@ -56,9 +56,9 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int, precisi
     import keras
     import tensorflow as tf
 
-    from bigmem_train.heap_limit import tcmalloc_stats
     from bigmem_train.memory.calibrate import status_bytes
-    from bigmem_train.model import batch_norm_layer
+    from bigmem_train.model.unet import batch_norm_layer
+    from bigmem_train.train.heap_limit import tcmalloc_stats
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
     # As a single-host run does: every op inline in the calling thread (launch.INLINE_OPS).
@@ -137,7 +137,7 @@ def main() -> int:
         probe(args.layers.split(","), shape, args.channels, args.precision)  # type: ignore[arg-type]
         return 0
     from bigmem_train.config import load_config
-    from bigmem_train.launch import runtime_environment
+    from bigmem_train.train.launch import runtime_environment
 
     config = load_config(None, {"runtime.onednn": args.onednn == "true", "runtime.allocator": args.allocator})
     environment = dict(runtime_environment(config), TF_CPP_MIN_LOG_LEVEL="3")

@@ -41,7 +41,7 @@ def probe(shape: tuple[int, int, int], batch: int, class_counts: list[int]) -> N
 
     from bigmem_train.memory.calibrate import status_bytes
     from bigmem_train.memory.estimate import loss_kept_tensors
-    from bigmem_train.model import make_loss
+    from bigmem_train.model.unet import make_loss
 
     sys.path.insert(0, os.path.dirname(__file__))
     from planner_layer_probe import _release_and_reset
@@ -103,7 +103,7 @@ def main() -> int:
         probe(shape, args.batch, class_counts)  # type: ignore[arg-type]
         return 0
     from bigmem_train.config import load_config
-    from bigmem_train.launch import runtime_environment
+    from bigmem_train.train.launch import runtime_environment
 
     environment = dict(runtime_environment(load_config()), TF_CPP_MIN_LOG_LEVEL="3")
     return subprocess.run([sys.executable, __file__, *sys.argv[1:], "--child"], env=environment).returncode

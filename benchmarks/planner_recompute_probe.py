@@ -39,7 +39,7 @@ def child(shape: tuple[int, int, int], batch: int, filters: int, recompute: bool
 
     from bigmem_train.config import load_config
     from bigmem_train.memory.calibrate import reset_peak, status_bytes
-    from bigmem_train.model import build_unet
+    from bigmem_train.model.unet import build_unet
 
     config = load_config(
         None, {"model.depth": 4, "model.base_filters": filters, "model.recompute": recompute}
@@ -134,7 +134,7 @@ def main() -> int:
         print(json.dumps(child(shape, args.batch, args.filters, args.child == "recomputed")))
         return 0
     from bigmem_train.config import load_config
-    from bigmem_train.launch import runtime_environment
+    from bigmem_train.train.launch import runtime_environment
 
     environment = dict(runtime_environment(load_config()), TF_CPP_MIN_LOG_LEVEL="3")
     print("| step | TensorFlow's live peak | the walk | resident rise | resident / live |")

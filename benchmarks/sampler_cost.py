@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from bigmem_train.monitor import MemorySampler
+from bigmem_train.train.monitor import MemorySampler
 
 HERE = Path(__file__).resolve().parent
 

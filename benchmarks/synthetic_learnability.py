@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 
 from bigmem_train.config import config_from_dict
-from bigmem_train.data import check_dataset, make_datasets, split_cases
-from bigmem_train.synth import write_synthetic_dataset
+from bigmem_train.data.pipeline import make_datasets
+from bigmem_train.data.reader import check_dataset
+from bigmem_train.data.split import split_cases
+from bigmem_train.data.synth import write_synthetic_dataset
 
 
 def main() -> None:
@@ -64,7 +66,7 @@ def main() -> None:
         )
         datasets = make_datasets(config, train_cases, validation_cases)
 
-        from bigmem_train.model import compile_model
+        from bigmem_train.model.unet import compile_model
 
         model = compile_model(config)
         if args.output_bias is not None:

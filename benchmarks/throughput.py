@@ -221,10 +221,12 @@ def worker_model(spec: dict) -> dict:
         ]
     else:
         from bigmem_train.config import config_from_dict
-        from bigmem_train.data import check_dataset, make_datasets, split_cases
+        from bigmem_train.data.pipeline import make_datasets
+        from bigmem_train.data.reader import check_dataset
+        from bigmem_train.data.split import split_cases
         from bigmem_train.host import read_host_facts
-        from bigmem_train.launch import choose_threads
-        from bigmem_train.model import compile_model
+        from bigmem_train.model.unet import compile_model
+        from bigmem_train.train.launch import choose_threads
 
         settings = spec["settings"]
         runtime = {
@@ -594,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sys.path.insert(0, str(REPO / "src"))
     sys.path.insert(0, str(HERE))
-    from bigmem_train.synth import write_synthetic_dataset
+    from bigmem_train.data.synth import write_synthetic_dataset
 
     args.out.mkdir(parents=True, exist_ok=True)
     most_steps = max(args.warmup + args.steps, args.lever_warmup + args.lever_steps)

@@ -12,10 +12,14 @@ import sys
 from pathlib import Path
 
 try:
-    from bigmem_train import postmortem, sizes, template_names
+    from bigmem_train import sizes
+    from bigmem_train.ops import template_names
+    from bigmem_train.verdict import postmortem
 except ImportError:  # the controller runs from a checkout without the kit installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-    from bigmem_train import postmortem, sizes, template_names
+    from bigmem_train import sizes
+    from bigmem_train.ops import template_names
+    from bigmem_train.verdict import postmortem
 
 from ansible.errors import AnsibleFilterError
 
@@ -30,7 +34,7 @@ def bigmem_size_bytes(text, host_total_bytes=None):
 
 def bigmem_run_ending(run_dir, oom_killed=None, exit_code=None):
     """How a fetched run directory's job ended when it left no verdict, in the kit's words
-    (``bigmem_train.postmortem``): "killed by the out-of-memory killer at about X GiB (planned Y GiB)" when
+    (``bigmem_train.verdict.postmortem``): "killed by the out-of-memory killer at about X GiB (planned Y GiB)" when
     the container's OOMKilled flag (or the OOM counters recorded in state.json) says so."""
     return postmortem.describe_fetched(
         Path(str(run_dir)),

@@ -17,8 +17,8 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import BadInput
-from .sizes import parse_size
+from bigmem_train.errors import BadInput
+from bigmem_train.sizes import parse_size
 
 
 class _Section(BaseModel):

@@ -8,21 +8,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import launch
-from .config import Config
-from .data import check_dataset_folder, training_split
-from .distribute import config_for_this_worker, is_chief, planned_workers
-from .errors import EXIT_FAIL, EXIT_PASS
-from .guard import MemoryStopped
-from .host import HostFacts, read_host_facts
-from .memory.plan import JobPlan, plan_job
-from .memory.preflight import check_fits
-from .report import write_report
-from .rundir import FAILED, FINISHED, STOPPED, ensure_writable, prepare_run_dir, set_state, write_json
-from .sizes import format_bytes
-from .synth import write_synthetic_dataset
-from .train import train
-from .validate import format_verdict, validate_run
+from bigmem_train.config import Config
+from bigmem_train.data.reader import check_dataset_folder
+from bigmem_train.data.split import training_split
+from bigmem_train.data.synth import write_synthetic_dataset
+from bigmem_train.errors import EXIT_FAIL, EXIT_PASS
+from bigmem_train.host import HostFacts, read_host_facts
+from bigmem_train.memory.plan import JobPlan, plan_job
+from bigmem_train.memory.preflight import check_fits
+from bigmem_train.ops.distribute import config_for_this_worker, is_chief, planned_workers
+from bigmem_train.sizes import format_bytes
+from bigmem_train.train import launch
+from bigmem_train.train.guard import MemoryStopped
+from bigmem_train.train.loop import train
+from bigmem_train.verdict.report import write_report
+from bigmem_train.verdict.rundir import (
+    FAILED,
+    FINISHED,
+    STOPPED,
+    ensure_writable,
+    prepare_run_dir,
+    set_state,
+    write_json,
+)
+from bigmem_train.verdict.validate import format_verdict, validate_run
 
 
 def run_job(config: Config, validate_and_report: bool = True) -> int:

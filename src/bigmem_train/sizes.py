@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import BadInput
+from bigmem_train.errors import BadInput
 
 GIB = 1024**3
 

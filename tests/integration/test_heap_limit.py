@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bigmem_train.launch import allocator_library
+from bigmem_train.train.launch import allocator_library
 from tests.integration.conftest import bigmem
 
 GIB = 1024**3

@@ -5,8 +5,8 @@ kills its child as soon as the reference kernel is created (~1.5 GiB of zeros pe
 
 import pytest
 
-from bigmem_train.conv import ConvGeometry, gemm_backward_weights_fits, plan_depth_chunk, slab_geometry
-from bigmem_train.kernel_check import GEMM_FAMILY, probe_backward_weights
+from bigmem_train.model.conv import ConvGeometry, gemm_backward_weights_fits, plan_depth_chunk, slab_geometry
+from bigmem_train.model.kernel_check import GEMM_FAMILY, probe_backward_weights
 
 pytestmark = pytest.mark.slow
 

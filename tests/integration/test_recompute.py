@@ -17,7 +17,7 @@ def test_recomputed_model_matches_plain_model_and_saves():
     import keras
     import tensorflow as tf
 
-    from bigmem_train.model import RecomputedBlock, build_unet, make_loss
+    from bigmem_train.model.unet import RecomputedBlock, build_unet, make_loss
 
     configs = {
         flag: config_from_dict(
@@ -65,7 +65,7 @@ def test_recomputed_model_matches_plain_model_and_saves():
 def test_recomputed_model_saves_and_reloads(tmp_path):
     import keras
 
-    from bigmem_train.model import compile_model
+    from bigmem_train.model.unet import compile_model
 
     config = config_from_dict(
         {

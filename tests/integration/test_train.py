@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from bigmem_train.validate import evaluate
+from bigmem_train.verdict.validate import evaluate
 
 from .conftest import bigmem
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from bigmem_train.distribute import parse_tf_config, render_tf_config
+from bigmem_train.ops.distribute import parse_tf_config, render_tf_config
 from tests.fixtures.common import free_port, results_folder
 
 from .test_multi_worker import assert_trained_in_lockstep

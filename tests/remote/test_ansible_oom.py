@@ -14,7 +14,7 @@ import sys
 import yaml
 
 from bigmem_train.host import read_host_facts
-from bigmem_train.render import host_variables, render
+from bigmem_train.ops.render import host_variables, render
 
 from ..integration.test_memory_guard import lying_calibration
 from .test_ansible_multi_worker import (

@@ -18,7 +18,7 @@ import yaml
 from bigmem_train.config import config_from_dict
 from bigmem_train.host import read_host_facts
 from bigmem_train.memory.estimate import estimate
-from bigmem_train.render import host_variables, render
+from bigmem_train.ops.render import host_variables, render
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from bigmem_train.distribute import parse_tf_config, render_tf_config
+from bigmem_train.ops.distribute import parse_tf_config, render_tf_config
 from tests.fixtures.common import free_port, write_tiny_job
 
 pytestmark = pytest.mark.slow
@@ -25,7 +25,7 @@ def load_weights(path):
     """The weights of a saved .keras checkpoint as numpy arrays (no compile needed)."""
     import keras
 
-    import bigmem_train.model  # noqa: F401  (registers the kit's layers, which the archive names)
+    import bigmem_train.model.unet  # noqa: F401  (registers the kit's layers, which the archive names)
 
     model = keras.saving.load_model(path, compile=False)
     return [np.asarray(weight) for weight in model.get_weights()]

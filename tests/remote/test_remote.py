@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bigmem_train.remote import load_inventory
+from bigmem_train.ops.remote import load_inventory
 from tests.fixtures.common import free_port, write_tiny_job
 
 EXECUTABLE = Path(sys.executable).with_name("bigmem-train")

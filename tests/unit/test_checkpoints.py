@@ -7,7 +7,12 @@ import zipfile
 import numpy as np
 import pytest
 
-from bigmem_train.checkpoints import WRITER_ENVIRONMENT, backup_and_restore, model_checkpoint, save_model_file
+from bigmem_train.train.checkpoints import (
+    WRITER_ENVIRONMENT,
+    backup_and_restore,
+    model_checkpoint,
+    save_model_file,
+)
 
 
 def trained_model():

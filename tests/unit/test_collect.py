@@ -11,7 +11,7 @@ import numpy as np
 def test_collector_runs_at_step_ends_only():
     import keras
 
-    from bigmem_train.collect import collect_at_step_ends_callback
+    from bigmem_train.train.collect import collect_at_step_ends_callback
 
     seen = {"enabled_in_step": [], "cycle_alive_at_next_step": []}
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bigmem_train.conv import (
+from bigmem_train.model.conv import (
     ConvGeometry,
     gemm_backward_weights_fits,
     gemm_backward_weights_scratchpad_bytes,
@@ -74,7 +74,7 @@ def test_chunked_gradients_equal_tensorflows(padding, kernel_depth):
     the others, with the volume's padding at both ends, and an even kernel (asymmetric halo)."""
     import tensorflow as tf
 
-    from bigmem_train.conv import chunked_conv3d
+    from bigmem_train.model.conv import chunked_conv3d
 
     rng = np.random.default_rng(1)
     x = tf.constant(rng.standard_normal((2, 7, 5, 4, 3)), tf.float32)
@@ -104,7 +104,7 @@ def test_chunked_layer_is_conv3d_and_saves(tmp_path):
     import keras
     import tensorflow as tf
 
-    from bigmem_train.conv import ChunkedConv3D
+    from bigmem_train.model.conv import ChunkedConv3D
 
     limit = gemm_backward_weights_scratchpad_bytes(ConvGeometry((3, 6, 5), 4, 3))
     chunked = ChunkedConv3D(3, 3, padding="same", scratchpad_limit_bytes=limit, name="conv")
@@ -143,7 +143,7 @@ def test_chunked_layer_trains_under_a_distribution_strategy_like_conv3d():
     import keras
     import tensorflow as tf
 
-    from bigmem_train.conv import ChunkedConv3D
+    from bigmem_train.model.conv import ChunkedConv3D
 
     limit = gemm_backward_weights_scratchpad_bytes(ConvGeometry((4, 6, 5), 2, 3))
     rng = np.random.default_rng(3)
@@ -171,8 +171,8 @@ def test_chunked_layer_trains_under_a_distribution_strategy_like_conv3d():
 
 
 def test_the_planner_prices_the_slabs_a_chunked_filter_gradient_copies(monkeypatch):
-    from bigmem_train.conv_geometry import chunk_copy_bytes
     from bigmem_train.memory import estimate
+    from bigmem_train.model.conv_geometry import chunk_copy_bytes
     from tests.fixtures.common import recorded_layer_table
 
     # The study's tile: up0_conv1 (32 -> 16 channels on 240x240x144, TensorFlow's D x H x W) runs as two
@@ -196,8 +196,8 @@ def test_the_planner_prices_the_slabs_a_chunked_filter_gradient_copies(monkeypat
 
 
 def test_the_model_chunks_only_where_onednn_runs_the_gemm_filter_gradient(monkeypatch):
-    from bigmem_train import conv
-    from bigmem_train.conv_geometry import filter_gradient_runs_gemm
+    from bigmem_train.model import conv
+    from bigmem_train.model.conv_geometry import filter_gradient_runs_gemm
 
     avx512 = ["avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"]
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)

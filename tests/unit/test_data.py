@@ -10,17 +10,10 @@ import pytest
 from pydantic import ValidationError
 
 from bigmem_train.config import Config
-from bigmem_train.data import (
-    Case,
-    bad_input_from,
-    check_dataset,
-    check_foreground,
-    make_datasets,
-    prepare_case,
-    read_index,
-    split_cases,
-    training_split,
-)
+from bigmem_train.data.pipeline import bad_input_from, make_datasets
+from bigmem_train.data.prepare import prepare_case
+from bigmem_train.data.reader import Case, check_dataset, read_index
+from bigmem_train.data.split import check_foreground, split_cases, training_split
 from bigmem_train.errors import BadInput
 from tests.unit.nifti_fixtures import phantom, save_nifti, small_config, write_dataset
 
@@ -187,7 +180,7 @@ def test_non_finite_image_values_are_refused_at_check_time(tmp_path, value, suff
 
 def test_non_finite_scan_spans_chunks(tmp_path, monkeypatch):
     """Values cut by a chunk boundary are reassembled: one NaN in the last voxel, chunks of 999 bytes."""
-    import bigmem_train.data as data_module
+    import bigmem_train.data.reader as data_module
 
     monkeypatch.setattr(data_module, "_STREAM_CHUNK_BYTES", 999)
     image, label = phantom()
@@ -476,7 +469,7 @@ def test_reader_in_the_step_reads_only_what_the_step_asks(tmp_path, monkeypatch)
     config = small_config(folder)
     config.training.batch_size = 2
     train_cases, validation_cases = split_cases(check_dataset(config), 0.2, seed=1)
-    import bigmem_train.data as data_module
+    import bigmem_train.data.pipeline as data_module
 
     reads = []
     prepare = data_module.prepare_case

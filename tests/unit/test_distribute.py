@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from bigmem_train.config import load_config
-from bigmem_train.distribute import (
+from bigmem_train.errors import BadInput
+from bigmem_train.memory.plan import plan_job
+from bigmem_train.ops.distribute import (
     config_for_this_worker,
     is_chief,
     parse_tf_config,
@@ -20,8 +22,6 @@ from bigmem_train.distribute import (
     worker_lost,
     worker_run_name,
 )
-from bigmem_train.errors import BadInput
-from bigmem_train.memory.plan import plan_job
 
 
 def tf_config(index, workers=("a:1", "b:2")):

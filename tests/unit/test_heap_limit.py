@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from bigmem_train.config import Config
-from bigmem_train.launch import allocator_library
+from bigmem_train.train.launch import allocator_library
 
 MIB = 1 << 20
 
@@ -20,7 +20,7 @@ MIB = 1 << 20
 CHILD = textwrap.dedent(
     """
     import ctypes, json, sys
-    from bigmem_train import heap_limit
+    from bigmem_train.train import heap_limit
 
     def rss():
         return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -129,8 +129,8 @@ def test_bad_heap_limit_is_named(value):
 
 def test_a_run_stopped_at_its_heap_limit_is_a_memory_stop_with_both_figures():
     from bigmem_train.errors import EXIT_DOES_NOT_FIT
-    from bigmem_train.heap_limit import HeapLimit
-    from bigmem_train.train import heap_limit_stop
+    from bigmem_train.train.heap_limit import HeapLimit
+    from bigmem_train.train.loop import heap_limit_stop
 
     held = HeapLimit(
         cap_bytes=4 * 1024 * MIB, outside_heap_bytes=460 * MIB, limit_bytes=3636 * MIB, source="4GiB"

@@ -1,7 +1,7 @@
 """kernel_check: the convolutions of a model that would get oneDNN's reference filter-gradient kernel."""
 
 from bigmem_train.config import Config
-from bigmem_train.kernel_check import GEMM_FAMILY, _parse_create, check_model, warn_reference_kernels
+from bigmem_train.model.kernel_check import GEMM_FAMILY, _parse_create, check_model, warn_reference_kernels
 
 
 def test_study_tile_chunks_exactly_the_layer_past_the_limit(capsys, monkeypatch):
@@ -10,9 +10,9 @@ def test_study_tile_chunks_exactly_the_layer_past_the_limit(capsys, monkeypatch)
     same U-Net with plain Keras layers (the peer) is flagged, by layer name, with the slowdown."""
     import keras
 
-    from bigmem_train import conv
-    from bigmem_train.conv import ChunkedConv3D
-    from bigmem_train.model import build_unet
+    from bigmem_train.model import conv
+    from bigmem_train.model.conv import ChunkedConv3D
+    from bigmem_train.model.unet import build_unet
 
     monkeypatch.setattr(conv, "filter_gradient_runs_gemm", lambda: True)  # a gemm CPU (no AVX-512)
     config = Config()

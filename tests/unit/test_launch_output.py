@@ -3,7 +3,7 @@ is held back, everything else written there is passed on, and BIGMEM_TRAIN_TF_LO
 
 import os
 
-from bigmem_train.launch import TENSORFLOW_LOG_ENV, quiet_native_start_up
+from bigmem_train.train.launch import TENSORFLOW_LOG_ENV, quiet_native_start_up
 
 NOISE = [
     b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",

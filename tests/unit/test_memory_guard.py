@@ -13,11 +13,11 @@ import pytest
 
 from bigmem_train.config import config_from_dict
 from bigmem_train.errors import BadInput
-from bigmem_train.guard import MemoryGuard, Trip, stop_message
 from bigmem_train.host import find_memory_cgroup, oom_kill_count
-from bigmem_train.monitor import CSV_COLUMNS, MemoryProbe, MemorySample, MemorySampler
-from bigmem_train.postmortem import container_id, diagnose, explain
-from bigmem_train.rundir import (
+from bigmem_train.train.guard import MemoryGuard, Trip, stop_message
+from bigmem_train.train.monitor import CSV_COLUMNS, MemoryProbe, MemorySample, MemorySampler
+from bigmem_train.verdict.postmortem import container_id, diagnose, explain
+from bigmem_train.verdict.rundir import (
     FINISHED,
     STOPPED,
     prepare_run_dir,
@@ -325,7 +325,7 @@ def test_a_run_the_guard_stopped_resumes_with_a_smaller_batch_only(tmp_path):
 
 
 def test_remote_status_weighs_what_its_round_trip_read():
-    from bigmem_train.remote import _ending
+    from bigmem_train.ops.status import _ending
 
     header = ",".join(CSV_COLUMNS)
     values = {
@@ -370,7 +370,7 @@ def recorded_planner(recorded_tables):
 
 
 def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_planner):
-    from bigmem_train.guard import largest_fitting_job
+    from bigmem_train.train.guard import largest_fitting_job
 
     config = config_from_dict({"data": {"input_shape": [128, 128, 128]}, "training": {"batch_size": 8}})
     shape = (128, 128, 128)

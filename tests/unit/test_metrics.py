@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bigmem_train.model import HardDice
+from bigmem_train.model.unet import HardDice
 
 
 def batch(foreground: list[tuple[slice, ...]], shape=(2, 8, 8, 4)) -> np.ndarray:

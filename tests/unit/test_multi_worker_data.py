@@ -10,13 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bigmem_train.data import check_dataset, make_datasets, split_cases
+from bigmem_train.data.pipeline import make_datasets
+from bigmem_train.data.reader import check_dataset
+from bigmem_train.data.split import split_cases
 from tests.unit.nifti_fixtures import phantom, small_config, write_dataset
 
 
 def centre_sums(config, cases):
     """One number per case that tells the cases apart: the absolute sum of its validation (centre) crop."""
-    from bigmem_train.data import prepare_case
+    from bigmem_train.data.prepare import prepare_case
 
     return [fingerprint(prepare_case(case, config)[0]) for case in cases]
 
@@ -61,7 +63,7 @@ def test_validation_is_whole_global_batches_for_several_workers(tmp_path):
 def fake_cases(count: int) -> list:
     from pathlib import Path
 
-    from bigmem_train.data import Case
+    from bigmem_train.data.reader import Case
 
     return [
         Case(f"C{index:02d}", Path(f"i{index}"), Path(f"l{index}"), (16, 16, 12), 1) for index in range(count)
@@ -85,7 +87,7 @@ def fake_cases(count: int) -> list:
     ],
 )
 def test_balance_split_makes_whole_global_batches(train_count, validation_count, batch, expected):
-    from bigmem_train.data import balance_split
+    from bigmem_train.data.split import balance_split
 
     cases = fake_cases(train_count + validation_count)
     train, validation = cases[:train_count], cases[train_count:]

@@ -4,7 +4,7 @@ with the same outputs, gradients and moving statistics, and Keras' own code wher
 import numpy as np
 import pytest
 
-from bigmem_train.norm import FusedBatchNormalization
+from bigmem_train.model.norm import FusedBatchNormalization
 
 
 def pair(shape, dtype_policy=None, **kwargs):

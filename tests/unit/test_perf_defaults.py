@@ -5,8 +5,8 @@ from pathlib import Path
 
 from bigmem_train.config import Config, load_config
 from bigmem_train.host import HostFacts
-from bigmem_train.launch import ALLOCATOR_LIBRARIES, choose_threads, launch_command
-from bigmem_train.render import render
+from bigmem_train.ops.render import render
+from bigmem_train.train.launch import ALLOCATOR_LIBRARIES, choose_threads, launch_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -95,7 +95,7 @@ def test_the_benchmark_measures_the_defaults():
 
 
 def test_the_tensor_allocator_reaches_tensorflow_through_the_environment():
-    from bigmem_train.launch import runtime_environment
+    from bigmem_train.train.launch import runtime_environment
 
     assert runtime_environment(Config(), {})["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] == "1"
     pooled = load_config(None, {"runtime.tensor_allocator": "bfc"})

@@ -303,7 +303,7 @@ def test_recorded_tables_match_the_model(fold, monkeypatch):
     # The recorded tables stand in for model.build_unet in the fast tests; this builds the model (imports
     # TensorFlow) and checks they still describe it. Re-record with layers.layer_table_from_keras if not.
     # The folded table is the model on a CPU with AVX-512 (upconv.fold_available), whatever this host has.
-    from bigmem_train import conv
+    from bigmem_train.model import conv
 
     monkeypatch.setattr(conv, "filter_gradient_runs_gemm", lambda *args: False)
     config = load_config("study", {"model.depth": 3, "model.base_filters": 8, "model.fold_upsampling": fold})
@@ -869,7 +869,7 @@ def test_a_rebuilt_block_holds_copies_of_what_crosses_its_boundary():
 def test_a_whole_run_validates_one_case_or_as_many_as_asked(tmp_path):
     """measure_run's short run: three training cases and one validation case by default; asked for a full
     validation batch, that many cases validate and the training cases stay three."""
-    from bigmem_train.data import split_cases
+    from bigmem_train.data.split import split_cases
 
     config = load_config(None, {"training.batch_size": 3})
     for validation_cases in (1, 3):

@@ -1,9 +1,9 @@
 """The job is planned once: a CLI re-executed under numactl/LD_PRELOAD takes the plan it is handed, typed."""
 
-from bigmem_train import launch
 from bigmem_train.config import load_config
 from bigmem_train.memory.placement import Placement
 from bigmem_train.memory.plan import JobPlan
+from bigmem_train.train import launch
 
 
 def a_plan(config, peak=123) -> JobPlan:

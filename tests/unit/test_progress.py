@@ -4,8 +4,8 @@ step runs for long, and the first step announced as tracing."""
 import io
 import time
 
-from bigmem_train.monitor import rss_bytes
-from bigmem_train.progress import ProgressReporter, ProgressState, format_duration
+from bigmem_train.train.monitor import rss_bytes
+from bigmem_train.train.progress import ProgressReporter, ProgressState, format_duration
 
 
 def test_the_status_line_shows_step_speed_memory_against_the_plan_and_time_left():

@@ -8,12 +8,12 @@ import textwrap
 
 import pytest
 
-from bigmem_train.launch import allocator_library
+from bigmem_train.train.launch import allocator_library
 
 CHILD = textwrap.dedent(
     """
     import ctypes, json, sys
-    from bigmem_train.release import release_function
+    from bigmem_train.train.release import release_function
 
     def rss():
         for line in open("/proc/self/status"):
@@ -64,7 +64,7 @@ def test_free_pages_go_back_to_the_kernel(allocator, tmp_path):
 
 
 def test_no_release_for_an_allocator_that_is_not_mapped():
-    from bigmem_train.release import release_function
+    from bigmem_train.train.release import release_function
 
     # This process runs on glibc (no LD_PRELOAD in the test run): tcmalloc's entry point is not there.
     if "tcmalloc" in os.environ.get("LD_PRELOAD", ""):

@@ -3,7 +3,7 @@
 import pytest
 
 from bigmem_train.errors import BadInput
-from bigmem_train.remote import (
+from bigmem_train.ops.remote import (
     HARDENED_DOCKER_FLAGS,
     check_job_name,
     docker_run_command,

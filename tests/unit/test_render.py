@@ -14,8 +14,8 @@ from bigmem_train.cli import main
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.host import HostFacts, NumaNode
-from bigmem_train.render import host_variables, list_templates, parse_variables, render, templates_dir
-from bigmem_train.template_names import JOB_TEMPLATES, check_variable_names, template_names
+from bigmem_train.ops.render import host_variables, list_templates, parse_variables, render, templates_dir
+from bigmem_train.ops.template_names import JOB_TEMPLATES, check_variable_names, template_names
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"

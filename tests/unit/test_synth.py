@@ -10,15 +10,15 @@ import nibabel as nib
 import numpy as np
 import pytest
 
-from bigmem_train.data import check_dataset
-from bigmem_train.errors import BadInput, DoesNotFit
-from bigmem_train.synth import (
+from bigmem_train.data.reader import check_dataset
+from bigmem_train.data.synth import (
     CASE_BYTES_PER_VOXEL,
     IN_PROGRESS_MARKER,
     check_case_fits,
     synthesize_case,
     write_synthetic_dataset,
 )
+from bigmem_train.errors import BadInput, DoesNotFit
 from tests.unit.nifti_fixtures import small_config
 
 SHAPE = (16, 16, 12)
@@ -157,7 +157,7 @@ def test_the_per_voxel_figure_covers_a_real_case(tmp_path):
     code = (
         "import sys, tracemalloc\n"
         "from pathlib import Path\n"
-        "from bigmem_train.synth import write_synthetic_dataset\n"
+        "from bigmem_train.data.synth import write_synthetic_dataset\n"
         "tracemalloc.start()\n"
         "write_synthetic_dataset(Path(sys.argv[1]), cases=1, shape=(96, 96, 96))\n"
         "print(tracemalloc.get_traced_memory()[1])\n"

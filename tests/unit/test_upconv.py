@@ -8,10 +8,10 @@ import pytest
 tf = pytest.importorskip("tensorflow")
 keras = pytest.importorskip("keras")
 
-from bigmem_train import upconv  # noqa: E402
 from bigmem_train.config import ModelConfig  # noqa: E402
-from bigmem_train.model import build_unet  # noqa: E402
-from bigmem_train.upconv import FoldedUpConv  # noqa: E402
+from bigmem_train.model import upconv  # noqa: E402
+from bigmem_train.model.unet import build_unet  # noqa: E402
+from bigmem_train.model.upconv import FoldedUpConv  # noqa: E402
 
 
 def _relative(a, b) -> float:

@@ -7,8 +7,8 @@ import pytest
 from bigmem_train.cli import main
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
-from bigmem_train.report import write_report
-from bigmem_train.validate import evaluate, validate_run
+from bigmem_train.verdict.report import write_report
+from bigmem_train.verdict.validate import evaluate, validate_run
 
 HEADER = "epoch,dice,hard_dice,loss,val_dice,val_hard_dice,val_loss\n"
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .. import __version__
-from ..config import Config, FootprintConfig, load_config, parse_override
-from ..errors import BadInput, BigmemError
-from . import commands
-from . import remote as remote_cli
+from bigmem_train import __version__
+from bigmem_train.cli import commands
+from bigmem_train.cli import remote as remote_cli
+from bigmem_train.config import Config, FootprintConfig, load_config, parse_override
+from bigmem_train.errors import BadInput, BigmemError
 
 PROG = "bigmem-train"
 

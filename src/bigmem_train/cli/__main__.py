@@ -2,6 +2,6 @@
 
 import sys
 
-from . import main
+from bigmem_train.cli import main
 
 sys.exit(main())

@@ -8,22 +8,22 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import Config
-from ..errors import EXIT_FAIL, EXIT_PASS, BadInput
-from ..host import read_host_facts
-from ..memory.calibrate import calibrate
-from ..memory.constants import load_calibration
-from ..memory.levers import levers_to_fit
-from ..memory.plan import plan_job
-from ..memory.preflight import check_fits, usable_bytes
-from ..pipeline import run_job
-from ..render import host_variables, list_templates, parse_variables, render, templates_dir
-from ..report import write_report
-from ..sizes import format_bytes, gib
-from ..synth import write_synthetic_dataset
-from ..template_names import check_variable_names, template_names
-from ..validate import format_verdict, validate_run
-from .output import format_host, format_plan, host_summary
+from bigmem_train.cli.output import format_host, format_plan, host_summary
+from bigmem_train.config import Config
+from bigmem_train.data.synth import write_synthetic_dataset
+from bigmem_train.errors import EXIT_FAIL, EXIT_PASS, BadInput
+from bigmem_train.host import read_host_facts
+from bigmem_train.memory.calibrate import calibrate
+from bigmem_train.memory.constants import load_calibration
+from bigmem_train.memory.levers import levers_to_fit
+from bigmem_train.memory.plan import plan_job
+from bigmem_train.memory.preflight import check_fits, usable_bytes
+from bigmem_train.ops.render import host_variables, list_templates, parse_variables, render, templates_dir
+from bigmem_train.ops.template_names import check_variable_names, template_names
+from bigmem_train.pipeline import run_job
+from bigmem_train.sizes import format_bytes, gib
+from bigmem_train.verdict.report import write_report
+from bigmem_train.verdict.validate import format_verdict, validate_run
 
 
 def run_command(config: Config, validate_and_report: bool) -> int:

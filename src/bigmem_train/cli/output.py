@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..host import HostFacts
-from ..memory.plan import JobPlan
-from ..sizes import format_bytes, gib
+from bigmem_train.host import HostFacts
+from bigmem_train.memory.plan import JobPlan
+from bigmem_train.sizes import format_bytes, gib
 
 
 def format_plan(plan: JobPlan) -> str:

@@ -10,8 +10,8 @@ import argparse
 import json
 import os
 
-from .. import remote
-from ..errors import BadInput
+from bigmem_train.errors import BadInput
+from bigmem_train.ops import remote
 
 DEFAULT_INVENTORY_ENV = "BIGMEM_TRAIN_INVENTORY"
 

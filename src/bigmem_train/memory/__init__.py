@@ -13,12 +13,12 @@
 and its accuracy.
 """
 
-from .constants import Calibration, load_calibration
-from .estimate import breakdown_for
-from .layers import layer_table
-from .placement import Placement, decide_placement
-from .plan import JobPlan, plan_job
-from .preflight import check_fits, usable_bytes
+from bigmem_train.memory.constants import Calibration, load_calibration
+from bigmem_train.memory.estimate import breakdown_for
+from bigmem_train.memory.layers import layer_table
+from bigmem_train.memory.placement import Placement, decide_placement
+from bigmem_train.memory.plan import JobPlan, plan_job
+from bigmem_train.memory.preflight import check_fits, usable_bytes
 
 __all__ = [
     "Calibration",

@@ -28,13 +28,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import Config, load_config
-from ..errors import BadInput
-from ..host import cpu_isa, read_cpu_flags, read_cpu_model
-from . import layers
-from .constants import MODEL_VERSION, Calibration, calibration_path_for_user
-from .estimate import estimate
-from .levers import native_bf16
+from bigmem_train.config import Config, load_config
+from bigmem_train.errors import BadInput
+from bigmem_train.host import cpu_isa, read_cpu_flags, read_cpu_model
+from bigmem_train.memory import layers
+from bigmem_train.memory.constants import MODEL_VERSION, Calibration, calibration_path_for_user
+from bigmem_train.memory.estimate import estimate
+from bigmem_train.memory.levers import native_bf16
 
 # Jobs the constants are fitted on, none of them in the accuracy sweep: batches 1..4, 1 and 4 channels,
 # 8 to 32 filters, depths 3..5, whole-run peaks from 1.0 to 2.5 GiB. The two larger jobs are there because

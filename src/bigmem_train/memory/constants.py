@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..host import HostFacts, cpu_isa, this_cpu_flags
-from .layers import cache_dir
+from bigmem_train.config import Config
+from bigmem_train.host import HostFacts, cpu_isa, this_cpu_flags
+from bigmem_train.memory.layers import cache_dir
 
 
 @dataclass

@@ -14,11 +14,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import Config
-from ..conv_geometry import ConvGeometry, chunk_copy_bytes, filter_gradient_runs_gemm
-from . import constants, layers
-from .constants import Calibration
-from .layers import expand_recomputed_blocks
+from bigmem_train.config import Config
+from bigmem_train.memory import constants, layers
+from bigmem_train.memory.constants import Calibration
+from bigmem_train.memory.layers import expand_recomputed_blocks
+from bigmem_train.model.conv_geometry import ConvGeometry, chunk_copy_bytes, filter_gradient_runs_gemm
 
 BREAKDOWN_KEYS = (
     "weights",

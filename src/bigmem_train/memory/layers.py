@@ -17,16 +17,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
-from ..errors import BadInput
+from bigmem_train.config import Config
+from bigmem_train.errors import BadInput
 
 # Bumped when the table gains a field, so cached tables are rebuilt.
 TABLE_VERSION = 3
 
 
 def _model_source_digest() -> str:
-    source = (Path(__file__).parents[1] / "model.py").read_bytes()
-    return hashlib.sha256(source).hexdigest()[:16]
+    """A digest of the model package's source: a table recorded from another model is rebuilt."""
+    digest = hashlib.sha256()
+    for source in sorted((Path(__file__).parents[1] / "model").glob("*.py")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _table_key(config: Config) -> dict[str, Any]:
@@ -51,7 +54,7 @@ def layer_table_from_keras(config: Config) -> list[dict[str, Any]]:
     """Build the configured U-Net with Keras in this process and describe each layer (imports TensorFlow)."""
     import keras
 
-    from ..model import build_unet
+    from bigmem_train.model.unet import build_unet
 
     edge = 2**config.model.depth * 2
     build_shape = (edge, edge, edge)

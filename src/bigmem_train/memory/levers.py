@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import Config
-from . import layers
-from .estimate import estimate
-from .sizing import largest_batch, largest_shape, with_job_size
+from bigmem_train.config import Config
+from bigmem_train.memory import layers
+from bigmem_train.memory.estimate import estimate
+from bigmem_train.memory.sizing import largest_batch, largest_shape, with_job_size
 
 # Step-time factors: the lever's step against the kit's default settings, same job, one process each, side
 # by side (benchmarks/throughput.py --sections levers; docs/performance.md, "Levers"), keyed by how the CPU

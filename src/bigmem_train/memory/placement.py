@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..host import HostFacts
-from ..sizes import format_bytes
+from bigmem_train.host import HostFacts
+from bigmem_train.sizes import format_bytes
 
 
 @dataclass

@@ -5,17 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..config import Config
-from ..distribute import per_worker_batch_size, planned_workers
-from ..errors import BadInput
-from ..host import HostFacts
-from ..sizes import format_bytes, gib
-from . import constants, layers
-from .constants import Calibration
-from .estimate import breakdown_for
-from .levers import Lever, cheapest_keeping_job, levers_to_fit
-from .placement import Placement, decide_placement
-from .sizing import resolve_target, size_to_target, with_job_size
+from bigmem_train.config import Config
+from bigmem_train.errors import BadInput
+from bigmem_train.host import HostFacts
+from bigmem_train.memory import constants, layers
+from bigmem_train.memory.constants import Calibration
+from bigmem_train.memory.estimate import breakdown_for
+from bigmem_train.memory.levers import Lever, cheapest_keeping_job, levers_to_fit
+from bigmem_train.memory.placement import Placement, decide_placement
+from bigmem_train.memory.sizing import resolve_target, size_to_target, with_job_size
+from bigmem_train.ops.distribute import per_worker_batch_size, planned_workers
+from bigmem_train.sizes import format_bytes, gib
 
 
 @dataclass

@@ -7,13 +7,13 @@ reported but not counted: a training step that pages is a step that never ends.
 
 from __future__ import annotations
 
-from ..errors import DoesNotFit
-from ..host import HostFacts
-from ..sizes import format_bytes
-from . import constants, layers
-from .levers import levers_to_fit
-from .plan import JobPlan
-from .sizing import largest_batch, largest_shape
+from bigmem_train.errors import DoesNotFit
+from bigmem_train.host import HostFacts
+from bigmem_train.memory import constants, layers
+from bigmem_train.memory.levers import levers_to_fit
+from bigmem_train.memory.plan import JobPlan
+from bigmem_train.memory.sizing import largest_batch, largest_shape
+from bigmem_train.sizes import format_bytes
 
 
 def usable_bytes(plan: JobPlan, host: HostFacts) -> int:

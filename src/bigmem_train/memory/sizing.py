@@ -3,10 +3,10 @@ stays within a number of bytes."""
 
 from __future__ import annotations
 
-from ..config import MAX_BATCH_SIZE, Config
-from ..host import HostFacts
-from ..sizes import parse_size
-from .estimate import breakdown_for
+from bigmem_train.config import MAX_BATCH_SIZE, Config
+from bigmem_train.host import HostFacts
+from bigmem_train.memory.estimate import breakdown_for
+from bigmem_train.sizes import parse_size
 
 
 def _peak(config: Config, table, calibration, batch: int, shape) -> int:

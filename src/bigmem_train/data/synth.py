@@ -6,7 +6,7 @@ contrasts (FLAIR, T1w, T1gd, T2w) with a smooth bias field and noise. The backgr
 is exactly zero, as in the skull-stripped-style BraTS volumes, so the reader's brain mask works alike.
 The tumour is bright in FLAIR, so a small U-Net on FLAIR alone learns it within a few epochs.
 
-Layout written (the reader in :mod:`bigmem_train.data` reads it like the real Task01 folder)::
+Layout written (the reader in :mod:`bigmem_train.data.reader` reads it like the real Task01 folder)::
 
     OUT/dataset.json                 name, modality, labels, numTraining, training[], test[], synthetic{}
     OUT/imagesTr/BRATS_001.nii.gz    int16 (X, Y, Z, 4), 1 mm spacing
@@ -26,8 +26,8 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from .errors import BadInput, DoesNotFit
-from .sizes import format_bytes
+from bigmem_train.errors import BadInput, DoesNotFit
+from bigmem_train.sizes import format_bytes
 
 # Bump when the generator changes what it writes, so an older dataset is regenerated, not reused.
 GENERATOR_VERSION = 2
@@ -62,7 +62,7 @@ def check_case_fits(shape: tuple[int, int, int], room_bytes: int | None = None, 
     """Refuse (:class:`DoesNotFit`, exit 3) a case too large to build in this host's memory, before
     anything is written; ``room_bytes`` defaults to what the host leaves this process."""
     if room_bytes is None:
-        from .host import read_host_facts
+        from bigmem_train.host import read_host_facts
 
         facts = read_host_facts()
         room_bytes, room = facts.effective_memory_bytes, facts.limit_in_force
@@ -96,7 +96,7 @@ def write_synthetic_dataset(out_dir: Path, cases: int, shape: tuple[int, int, in
             f"synthetic dataset: shape must be three edges of at least 4 voxels, got {list(shape)}"
         )
     parameters = {
-        "generator": "bigmem_train.synth",
+        "generator": "bigmem_train.data.synth",
         "version": GENERATOR_VERSION,
         "cases": cases,
         "shape": list(shape),

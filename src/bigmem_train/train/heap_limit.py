@@ -27,8 +27,8 @@ import ctypes
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .host import preloaded_allocator
-from .monitor import rss_parts
+from bigmem_train.host import preloaded_allocator
+from bigmem_train.train.monitor import rss_parts
 
 # gperftools' flag (an exported int64 in MiB, read each time the page heap would grow).
 _FLAG = "_ZN61FLAG__namespace_do_not_use_directly_use_DECLARE_int64_instead28FLAGS_tcmalloc_heap_limit_mbE"

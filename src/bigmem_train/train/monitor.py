@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .host import MemoryCgroup, find_memory_cgroup
+from bigmem_train.host import MemoryCgroup, find_memory_cgroup
 
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MEMAVAILABLE = re.compile(rb"^MemAvailable:\s+(\d+) kB", re.MULTILINE)

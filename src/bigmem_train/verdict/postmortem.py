@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .host import host_oom_kills, oom_kill_count
-from .rundir import read_memory_csv
-from .sizes import GIB
+from bigmem_train.host import host_oom_kills, oom_kill_count
+from bigmem_train.sizes import GIB
+from bigmem_train.verdict.rundir import read_memory_csv
 
 EXIT_SIGKILL = 137
 EXIT_SIGABRT = 134

@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 import jinja2.meta
 
-from .errors import BadInput
+from bigmem_train.errors import BadInput
 
 # The templates a job's variables are for (Ansible's train role renders both from bigmem_train_job).
 JOB_TEMPLATES = ("train.yaml.j2", "runtime.env.j2")

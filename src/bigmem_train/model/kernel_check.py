@@ -27,7 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from .conv import (
+from bigmem_train.model.conv import (
     ConvGeometry,
     gemm_backward_weights_fits,
     gemm_backward_weights_scratchpad_bytes,
@@ -64,7 +64,7 @@ def _probe_env(overrides: dict[str, str] | None) -> dict[str, str]:
     )
     env.pop("DNNL_VERBOSE", None)
     # The child imports this package from where this process has it (a source tree need not be installed).
-    package_root = str(Path(__file__).resolve().parents[1])
+    package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     env.update(overrides or {})
     return env
@@ -110,7 +110,7 @@ def probe_backward_weights(
             }
         )
         child = subprocess.Popen(
-            [sys.executable, "-m", "bigmem_train.kernel_check", spec],
+            [sys.executable, "-m", "bigmem_train.model.kernel_check", spec],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -168,7 +168,7 @@ def _conv_layers(model):
 def check_model(model, family: str | None = None) -> list[ConvCheck]:
     """Each stride-1 Conv3D of ``model`` with the filter-gradient implementation it is expected to get on
     this CPU (``family``: this CPU's kernel family, probed when not given and needed)."""
-    from .conv import ChunkedConv3D
+    from bigmem_train.model.conv import ChunkedConv3D
 
     checks = []
     for layer, shape in _conv_layers(model):

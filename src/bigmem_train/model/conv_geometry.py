@@ -9,7 +9,7 @@ import math
 import os
 from dataclasses import dataclass
 
-from .host import AVX512_CORE_FLAGS, this_cpu_flags
+from bigmem_train.host import AVX512_CORE_FLAGS, this_cpu_flags
 
 # gemm_convolution_utils.cpp: scratchpad_limit_by_absolute_value.
 ONEDNN_SCRATCHPAD_LIMIT_BYTES = 1 << 30

@@ -8,11 +8,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import load_config
-from .errors import BadInput
-from .postmortem import diagnose
-from .rundir import FINISHED, read_history, read_memory_csv, read_record, read_state, write_json
-from .sizes import format_bytes
+from bigmem_train.config import load_config
+from bigmem_train.errors import BadInput
+from bigmem_train.sizes import format_bytes
+from bigmem_train.verdict.postmortem import diagnose
+from bigmem_train.verdict.rundir import (
+    FINISHED,
+    read_history,
+    read_memory_csv,
+    read_record,
+    read_state,
+    write_json,
+)
 
 
 @dataclass

@@ -62,7 +62,7 @@ def fold_available() -> bool:
     """Whether this CPU folds: only where oneDNN's filter gradient is its direct AVX-512 kernel. On AVX2 CPUs
     its gemm kernel has a scratchpad limit (conv.py) that the folded layer's convolutions are not chunked
     under, so the model keeps the unfolded layers there."""
-    from . import conv  # the one switch ChunkedConv3D's choice reads too
+    from bigmem_train.model import conv  # the one switch ChunkedConv3D's choice reads too
 
     return not conv.filter_gradient_runs_gemm()
 

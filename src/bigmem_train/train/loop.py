@@ -17,20 +17,28 @@ import time
 from pathlib import Path
 from typing import Any
 
-from . import distribute, heap_limit
-from .checkpoints import backup_and_restore, model_checkpoint
-from .collect import collect_at_step_ends_callback
-from .config import Config
-from .data import bad_input_from, make_datasets
-from .guard import MemoryGuard, MemoryStopped, guard_callback
-from .host import HostFacts, onednn_enabled, preloaded_allocator
-from .launch import choose_threads, start_tensorflow
-from .memory.plan import JobPlan
-from .monitor import MemoryProbe, MemorySampler, rss_parts
-from .progress import progress_callback
-from .release import release_callback
-from .rundir import RUNNING, read_history, read_memory_csv, read_step_seconds, set_state, write_json
-from .sizes import format_bytes, parse_size
+from bigmem_train.config import Config
+from bigmem_train.data.pipeline import bad_input_from, make_datasets
+from bigmem_train.host import HostFacts, onednn_enabled, preloaded_allocator
+from bigmem_train.memory.plan import JobPlan
+from bigmem_train.ops import distribute
+from bigmem_train.sizes import format_bytes, parse_size
+from bigmem_train.train import heap_limit
+from bigmem_train.train.checkpoints import backup_and_restore, model_checkpoint
+from bigmem_train.train.collect import collect_at_step_ends_callback
+from bigmem_train.train.guard import MemoryGuard, MemoryStopped, guard_callback
+from bigmem_train.train.launch import choose_threads, start_tensorflow
+from bigmem_train.train.monitor import MemoryProbe, MemorySampler, rss_parts
+from bigmem_train.train.progress import progress_callback
+from bigmem_train.train.release import release_callback
+from bigmem_train.verdict.rundir import (
+    RUNNING,
+    read_history,
+    read_memory_csv,
+    read_step_seconds,
+    set_state,
+    write_json,
+)
 
 
 def tensorflow_build_info() -> dict[str, Any]:
@@ -268,7 +276,9 @@ def train(
     tf = start_tensorflow(intra, inter, start_runtime=config.training.strategy != "multi_worker")
     import keras
 
-    from .model import compile_model  # imports Keras, so TensorFlow: after the threads are set
+    from bigmem_train.model.unet import (
+        compile_model,  # imports Keras, so TensorFlow: after the threads are set
+    )
 
     keras.utils.set_random_seed(config.training.seed)
     strategy = tf.distribute.get_strategy()

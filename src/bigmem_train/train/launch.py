@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from .config import Config
-from .host import HostFacts
-from .memory.plan import JobPlan
+from bigmem_train.config import Config
+from bigmem_train.host import HostFacts
+from bigmem_train.memory.plan import JobPlan
 
 # Set in the environment of a process this module re-executed, so it is done once only.
 LAUNCHED_ENV = "BIGMEM_TRAIN_LAUNCHED"

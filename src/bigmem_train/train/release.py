@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 
-from .host import preloaded_allocator
+from bigmem_train.host import preloaded_allocator
 
 # jemalloc's MALLCTL_ARENAS_ALL: "arena.4096.purge" purges every arena.
 _JEMALLOC_ALL_ARENAS = 4096

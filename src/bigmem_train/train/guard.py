@@ -18,12 +18,12 @@ import threading
 from dataclasses import dataclass, replace
 from typing import Any
 
-from .config import Config
-from .errors import EXIT_DOES_NOT_FIT, BigmemError
-from .memory import constants, layers
-from .memory.sizing import largest_batch, largest_shape
-from .monitor import MemoryProbe, MemorySample
-from .sizes import format_bytes
+from bigmem_train.config import Config
+from bigmem_train.errors import EXIT_DOES_NOT_FIT, BigmemError
+from bigmem_train.memory import constants, layers
+from bigmem_train.memory.sizing import largest_batch, largest_shape
+from bigmem_train.sizes import format_bytes
+from bigmem_train.train.monitor import MemoryProbe, MemorySample
 
 
 class MemoryStopped(BigmemError):

@@ -13,10 +13,10 @@ import os
 import keras
 from keras import layers, ops
 
-from .config import Config, ModelConfig
-from .conv import ChunkedConv3D, conv3d_for
-from .norm import FusedBatchNormalization
-from .upconv import FoldedUpConv, folds_level
+from bigmem_train.config import Config, ModelConfig
+from bigmem_train.model.conv import ChunkedConv3D, conv3d_for
+from bigmem_train.model.norm import FusedBatchNormalization
+from bigmem_train.model.upconv import FoldedUpConv, folds_level
 
 # For benchmarks only (benchmarks/throughput.py's lever): "keras" builds Keras' own unfused batch normalization,
 # as a plain Keras script has, to measure the fused layer on its own.
@@ -319,7 +319,7 @@ def compile_model(config: Config) -> keras.Model:
         jit_compile=config.runtime.xla,
     )
     if config.runtime.onednn:
-        from .kernel_check import check_model, warn_reference_kernels
+        from bigmem_train.model.kernel_check import check_model, warn_reference_kernels
 
         # Free unless a convolution is past oneDNN's gemm limit; then one small probe of this CPU's kernels.
         warn_reference_kernels(check_model(model))

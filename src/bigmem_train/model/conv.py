@@ -30,7 +30,7 @@ from __future__ import annotations
 import keras
 from keras import layers
 
-from .conv_geometry import (  # noqa: F401 (re-exported: the layer's geometry lives there)
+from bigmem_train.model.conv_geometry import (  # noqa: F401 (re-exported: the layer's geometry lives there)
     CHUNK_HEADROOM_BYTES,
     ONEDNN_BOOKING_ALIGNMENT,
     ONEDNN_SCRATCHPAD_LIMIT_BYTES,

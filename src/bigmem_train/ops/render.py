@@ -14,9 +14,9 @@ from typing import Any
 import jinja2
 import yaml
 
-from .config import config_from_dict, parse_override
-from .errors import BadInput
-from .host import HostFacts
+from bigmem_train.config import config_from_dict, parse_override
+from bigmem_train.errors import BadInput
+from bigmem_train.host import HostFacts
 
 TEMPLATES_ENV = "BIGMEM_TEMPLATES_DIR"
 
@@ -30,7 +30,10 @@ def templates_dir() -> Path:
         if not path.is_dir():
             raise BadInput(f"{TEMPLATES_ENV}={override} is not a folder")
         return path
-    for candidate in (Path(__file__).parent / "templates", Path(__file__).resolve().parents[2] / "templates"):
+    for candidate in (
+        Path(__file__).parents[1] / "templates",
+        Path(__file__).resolve().parents[3] / "templates",
+    ):
         if candidate.is_dir() and any(candidate.glob("*.j2")):
             return candidate
     raise BadInput(f"no templates folder found: set {TEMPLATES_ENV} to the kit's templates/ folder")

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .config import Config
-from .errors import BadInput
+from bigmem_train.config import Config
+from bigmem_train.errors import BadInput
 
 STATE_FILE = "state.json"
 RUNNING, FINISHED, FAILED, STOPPED = "running", "finished", "failed", "stopped"
@@ -78,7 +78,7 @@ def process_identity() -> dict[str, Any]:
     """What tells, later and from elsewhere, whether the process writing a run still exists and why it
     ended: PID, its start time (so a reused PID is not taken for it), PID namespace, boot id, hostname,
     its memory cgroup with that cgroup's OOM kill counter, and the host's OOM kill counter, now."""
-    from .host import find_memory_cgroup, host_oom_kills
+    from bigmem_train.host import find_memory_cgroup, host_oom_kills
 
     stat = _read_text("/proc/self/stat")
     fields = stat.rsplit(")", 1)[-1].split()

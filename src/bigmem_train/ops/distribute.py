@@ -23,8 +23,8 @@ from typing import Any
 
 import jinja2
 
-from .config import Config
-from .errors import EXIT_FAIL, BadInput, BigmemError
+from bigmem_train.config import Config
+from bigmem_train.errors import EXIT_FAIL, BadInput, BigmemError
 
 TF_CONFIG_ENV = "TF_CONFIG"
 TF_CONFIG_TEMPLATE = "tf_config.json.j2"
@@ -316,7 +316,7 @@ def _patch_keras_for_multi_worker() -> None:
 def templates_dir() -> Path:
     """The shared Jinja templates: ``templates/`` of the source tree, or the copy installed with the package."""
     here = Path(__file__).resolve().parent
-    for candidate in (here.parents[1] / "templates", here / "templates"):
+    for candidate in (here.parents[2] / "templates", here.parent / "templates"):
         if (candidate / TF_CONFIG_TEMPLATE).is_file():
             return candidate
     raise BadInput(f"template {TF_CONFIG_TEMPLATE} not found next to the package")

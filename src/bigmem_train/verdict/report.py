@@ -6,9 +6,9 @@ import html
 import json
 from pathlib import Path
 
-from .errors import BadInput
-from .rundir import read_history, read_memory_csv
-from .sizes import GIB, format_bytes
+from bigmem_train.errors import BadInput
+from bigmem_train.sizes import GIB, format_bytes
+from bigmem_train.verdict.rundir import read_history, read_memory_csv
 
 
 def _pyplot():

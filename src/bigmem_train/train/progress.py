@@ -14,8 +14,8 @@ import threading
 import time
 from typing import TextIO
 
-from .monitor import rss_bytes
-from .sizes import GIB
+from bigmem_train.sizes import GIB
+from bigmem_train.train.monitor import rss_bytes
 
 
 def format_duration(seconds: float | None) -> str:

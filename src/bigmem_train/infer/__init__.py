@@ -1,0 +1,1 @@
+"""The inference stage: apply a trained model to whole volumes (``bigmem-train predict``)."""
