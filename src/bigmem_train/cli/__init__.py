@@ -15,7 +15,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from bigmem_train import __version__
-from bigmem_train.cli import commands
+from bigmem_train.cli import apply, commands
 from bigmem_train.cli import remote as remote_cli
 from bigmem_train.config import Config, FootprintConfig, load_config, parse_override
 from bigmem_train.errors import BadInput, BigmemError
@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     render.add_argument("--list", action="store_true", help="list the templates")
 
+    apply.add_parsers(sub)
     remote_cli.add_parser(sub)
     return parser
 
@@ -230,6 +231,10 @@ def dispatch(args: argparse.Namespace) -> int:
         return commands.preflight_command(load_job_config(args), as_json=args.json)
     if command == "render":
         return commands.render_command(args)
+    if command == "predict":
+        return apply.predict_command(args)
+    if command == "evaluate":
+        return apply.evaluate_command(args)
     if command == "remote":
         return remote_cli.dispatch(args)
     raise BadInput(f"unknown command {command!r}")

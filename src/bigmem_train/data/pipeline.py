@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from bigmem_train.config import Config
-from bigmem_train.data.prepare import _channel_selection, prepare_case
+from bigmem_train.data.prepare import channel_selection, prepare_case
 from bigmem_train.data.reader import Case
 from bigmem_train.errors import BadInput
 
@@ -67,7 +67,7 @@ def make_datasets(
 
     if not train_cases or not validation_cases:
         raise BadInput("make_datasets needs at least one training and one validation case")
-    selection = _channel_selection(config, train_cases[0].channels)
+    selection = channel_selection(config, train_cases[0].channels)
     channels = len(selection)
     image_shape = (*config.data.input_shape, channels)
     label_shape = (*config.data.input_shape, 1)

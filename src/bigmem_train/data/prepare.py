@@ -3,6 +3,8 @@ the brain, flips, binary or class labels. The one code path for training, valida
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from bigmem_train.config import Config
@@ -10,8 +12,59 @@ from bigmem_train.data.reader import _READ_ERRORS, Case, _leading_index, _load_h
 from bigmem_train.errors import BadInput
 
 
-def _channel_selection(config: Config, channels: int) -> list[int]:
+def channel_selection(config: Config, channels: int) -> list[int]:
     return list(range(channels)) if config.data.channels == "all" else list(config.data.channels)
+
+
+def read_image(
+    path: Path,
+    selection: list[int],
+    source_slices: tuple[slice, ...] | None = None,
+    output_slices: tuple[slice, ...] | None = None,
+    output_shape: tuple[int, ...] | None = None,
+) -> np.ndarray:
+    """The channels ``selection`` of the image at ``path`` as (X, Y, Z, C) float32, ``scl_slope`` applied.
+
+    ``source_slices`` read a region (a crop) and place it at ``output_slices`` of a zero volume of
+    ``output_shape`` (a pad); all None reads the whole volume as it is. Raises :class:`BadInput` naming
+    the file when it cannot be read, holds NaN or infinite values, or has too few channels.
+    """
+    image_file = _load_header(path)
+    region = source_slices if source_slices is not None else tuple(slice(None) for _ in range(3))
+    wanted = list(selection)
+    try:
+        if len(image_file.shape) == 3:
+            volume = np.asanyarray(image_file.dataobj[region])[..., None]
+            available, selection = 1, wanted
+        else:
+            available = image_file.shape[-1]
+            if max(wanted) >= available:
+                raise BadInput(f"{path}: has too few channels ({available}) for data.channels {wanted}")
+            # One read covering the wanted channels: a .nii.gz decompresses only up to the last of them.
+            first, last = min(wanted), max(wanted)
+            volume = np.asanyarray(
+                image_file.dataobj[(*region, *_leading_index(image_file), slice(first, last + 1))]
+            )
+            selection = [index - first for index in wanted]
+    except _READ_ERRORS as error:
+        raise BadInput(f"{path}: cannot be read ({error})") from None
+    if volume.dtype.kind == "f" and not np.isfinite(volume).all():
+        raise BadInput(f"{path}: holds NaN or infinite values; replace them (e.g. with 0) before training")
+    if volume.shape[-1] <= max(selection):
+        raise BadInput(f"{path}: has too few channels ({available}) for data.channels {wanted}")
+    if output_shape is None:
+        return np.ascontiguousarray(volume[..., selection], dtype=np.float32)
+    image = np.zeros((*output_shape, len(selection)), dtype=np.float32)
+    image[output_slices] = volume[..., selection]
+    return image
+
+
+def prepare_image(path: Path, config: Config, channels: int) -> np.ndarray:
+    """A whole image as the network reads it at prediction: the configured channels of an image with
+    ``channels`` channels, normalized as in training, at the image's own shape (X, Y, Z, C)."""
+    image = read_image(path, channel_selection(config, channels))
+    normalize_image(image)
+    return image
 
 
 def prepare_case(
@@ -30,32 +83,11 @@ def prepare_case(
     ]
     source_slices = tuple(slice(start, start + length) for start, _, length in placements)
     output_slices = tuple(slice(start, start + length) for _, start, length in placements)
-    selection = _channel_selection(config, case.channels)
+    selection = channel_selection(config, case.channels)
 
-    image_file = _load_header(case.image)
-    try:
-        if len(image_file.shape) == 3:
-            volume = np.asanyarray(image_file.dataobj[source_slices])[..., None]
-        else:
-            # One read covering the wanted channels: a .nii.gz decompresses only up to the last of them.
-            first, last = min(selection), max(selection)
-            volume = np.asanyarray(
-                image_file.dataobj[(*source_slices, *_leading_index(image_file), slice(first, last + 1))]
-            )
-            selection = [index - first for index in selection]
-    except _READ_ERRORS as error:
-        raise BadInput(f"{case.image}: cannot be read ({error})") from None
-    if volume.dtype.kind == "f" and not np.isfinite(volume).all():
-        raise BadInput(
-            f"{case.image}: holds NaN or infinite values; replace them (e.g. with 0) before training"
-        )
-    if volume.shape[-1] <= max(selection):
-        raise BadInput(f"{case.image}: has too few channels for data.channels {config.data.channels}")
-    image = np.zeros((*target, len(selection)), dtype=np.float32)
-    image[output_slices] = volume[..., selection]
-    del volume
+    image = read_image(case.image, selection, source_slices, output_slices, target)
     if normalize:
-        _zscore_brain(image)
+        normalize_image(image)
 
     label_file = _load_header(case.label)
     try:
@@ -88,7 +120,7 @@ def prepare_case(
     return image, label
 
 
-def _zscore_brain(image: np.ndarray) -> None:
+def normalize_image(image: np.ndarray) -> None:
     """In place, per channel: z-score over the brain (nonzero voxels); the background stays 0."""
     for channel in range(image.shape[-1]):
         values = image[..., channel]

@@ -1,0 +1,107 @@
+"""``bigmem-train predict`` and ``evaluate``: apply a trained model to whole volumes and score the masks."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from bigmem_train.errors import EXIT_PASS, BadInput
+from bigmem_train.sizes import format_bytes
+
+
+def add_parsers(sub) -> None:
+    predict = sub.add_parser(
+        "predict",
+        help="segment whole volumes with a trained model (NIfTI masks out)",
+        description="Segment whole volumes with a trained model: the training pipeline's channels and "
+        "normalization, the whole volume when it fits the host (or --target), else overlapping tiles "
+        "with Gaussian blending sized by the planner. One uint8 NIfTI mask per case with the image's "
+        "geometry; cases already written are skipped. Exit 3 when not even the smallest tile fits.",
+    )
+    predict.add_argument(
+        "--model", required=True, metavar="RUN_DIR|MODEL.keras", help="a run directory (its best checkpoint)"
+    )
+    predict.add_argument(
+        "--data",
+        required=True,
+        nargs="+",
+        metavar="DIR|IMAGE",
+        help="NIfTI images, folders of them, or a Decathlon folder (its dataset.json's test list)",
+    )
+    predict.add_argument("--out", required=True, metavar="DIR", help="folder for the masks and predict.json")
+    predict.add_argument(
+        "--config", metavar="FILE", help="the job config the model was trained with (default: its run's)"
+    )
+    predict.add_argument(
+        "--subset",
+        choices=["test", "training"],
+        default="test",
+        help="which list of a Decathlon dataset.json to predict (default test)",
+    )
+    predict.add_argument("--tta", action="store_true", help="average over the 8 mirrorings (8x the time)")
+    predict.add_argument(
+        "--probabilities", action="store_true", help="also write NAME_probabilities.nii.gz (float32)"
+    )
+    predict.add_argument(
+        "--target", metavar="SIZE", help="plan within this much memory: 8GiB, 50%% (default: usable memory)"
+    )
+    predict.add_argument("--tile", metavar="X,Y,Z", help="predict in tiles of this shape instead of planning")
+    predict.add_argument("--plan", action="store_true", help="print each case's plan and stop")
+
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="score predicted masks against labels: Dice, HD95, volumes, BraTS regions",
+        description="Score every mask in --pred against the label of the same name in --labels: per case "
+        "and per class Dice, 95th-percentile Hausdorff distance in mm and volumes, and for BraTS labels the "
+        "whole tumour, tumour core and enhancing tumour. Writes evaluation.json, .csv, .html and .png.",
+    )
+    evaluate.add_argument("--pred", required=True, metavar="DIR", help="the masks (e.g. predict's --out)")
+    evaluate.add_argument("--labels", required=True, metavar="DIR", help="the labels (e.g. labelsTr/)")
+    evaluate.add_argument("--out", metavar="DIR", help="where the results go (default: --pred)")
+
+
+def _shape(text: str | None) -> tuple[int, int, int] | None:
+    if text is None:
+        return None
+    try:
+        shape = tuple(int(part) for part in text.replace("x", ",").split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise BadInput(f"--tile {text}: give three positive edges, e.g. 128,128,128")
+    return shape
+
+
+def predict_command(args: argparse.Namespace) -> int:
+    from bigmem_train.infer.predict import PredictRequest, check_out_dir, plan_cases, predict
+    from bigmem_train.infer.source import resolve_images, resolve_model
+
+    source = resolve_model(args.model, args.config)
+    cases = resolve_images(args.data, args.subset)
+    tile = _shape(args.tile)
+    check_out_dir(Path(args.out))
+    request = PredictRequest(source, cases, Path(args.out), args.tta, args.probabilities, args.target, tile)
+    plans = plan_cases(request)
+    for case in cases:
+        print(f"bigmem-train: plan {plans[case.name].describe()}", flush=True)
+    if args.plan:
+        return EXIT_PASS
+    summary = predict(request, plans)
+    peaks = [case["peak_rss_bytes"] for case in summary["cases"].values()]
+    peak = f", process peak {format_bytes(max(peaks))}" if peaks else ""
+    print(f"PREDICTED {len(summary['cases'])} case(s) in {args.out}{peak}")
+    return EXIT_PASS
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    from bigmem_train.verdict.evaluate import evaluate_folders
+
+    out = Path(args.out) if args.out else None
+    result = evaluate_folders(Path(args.pred), Path(args.labels), out)
+    for name, row in result["summary"].items():
+        print(
+            f"  {name}: Dice mean {row['mean_dice']:.4f} (pooled {row['pooled_dice']:.4f}), "
+            f"HD95 median {row['median_hd95_mm']:.2f} mm, {row['cases']} case(s)"
+        )
+    print(f"EVALUATED {out or args.pred}/evaluation.html")
+    return EXIT_PASS

@@ -1,0 +1,250 @@
+"""``bigmem-train predict``: segment whole volumes with a trained model.
+
+Per case: the image is read and normalized by the training pipeline's own code (:mod:`bigmem_train.data.prepare`),
+padded (centred, with zeros: the normalized background) to edges the U-Net's poolings divide, predicted as
+one volume when the planner says it fits (:mod:`bigmem_train.memory.inference`), else in overlapping tiles
+blended with a Gaussian weight (nnU-Net's sliding window: half-tile steps, sigma an eighth of the tile),
+optionally averaged over the 8 mirrorings (``--tta``), cropped back, thresholded (one class) or arg-maxed
+(several), and written as a uint8 NIfTI with the source's geometry. A case's file is written under a
+hidden partial name and renamed: an interrupted predict leaves no file that looks finished, and a rerun
+skips the cases already written. ``predict.json`` records each case's plan, time and the process's peak.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+
+from bigmem_train.data.prepare import prepare_image
+from bigmem_train.data.reader import _placement
+from bigmem_train.errors import BadInput
+from bigmem_train.host import read_host_facts
+from bigmem_train.infer.engine import make_engine
+from bigmem_train.infer.nifti import PARTIAL_PREFIX, like_source, output_path, write_atomically
+from bigmem_train.infer.source import ImageCase, ModelSource
+from bigmem_train.memory.inference import InferencePlan, plan_volume, tile_starts
+from bigmem_train.memory.layers import layer_table
+from bigmem_train.sizes import format_bytes, parse_size
+
+SUMMARY = "predict.json"
+PROBABILITIES_SUFFIX = "_probabilities"
+
+
+@dataclass
+class PredictRequest:
+    source: ModelSource
+    cases: list[ImageCase]
+    out_dir: Path
+    tta: bool = False
+    probabilities: bool = False
+    target: str | None = None
+    tile: tuple[int, int, int] | None = None
+    engine: str = "tensorflow"
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Create ``out_dir`` and prove it writable, or BadInput naming it (before any model is loaded)."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f"{PARTIAL_PREFIX}write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise BadInput(f"--out {out_dir}: cannot be written ({error.strerror or error})") from None
+
+
+def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
+    """The memory a prediction may plan for: ``--target`` (a size or a share of the host), else the
+    host's available memory (capped by a cgroup limit) less the job's safety margin."""
+    host = read_host_facts()
+    available = host.effective_memory_bytes
+    if target:
+        try:
+            limit = parse_size(target, host.total_memory_bytes)
+        except ValueError as error:
+            raise BadInput(f"--target {target}: {error}") from None
+        return limit, f"--target {target}"
+    return int(
+        available * (1.0 - safety_margin)
+    ), f"usable memory ({format_bytes(available)} less {safety_margin:.0%})"
+
+
+def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
+    """Every case planned before the model is loaded; DoesNotFit (exit 3) when one cannot fit even in tiles."""
+    config = request.source.config
+    limit, _ = limit_for(request.target, config.footprint.safety_margin)
+    table = layer_table(config)
+    return {
+        case.name: plan_volume(config, table, case.shape, case.channels, limit, request.tile, request.tta)
+        for case in request.cases
+    }
+
+
+def gaussian_weights(window: tuple[int, int, int], sigma_scale: float = 1 / 8) -> np.ndarray:
+    """nnU-Net's tile weight: a Gaussian centred on the tile, sigma ``sigma_scale`` of each edge, scaled
+    to a maximum of 1, its zeros raised to the smallest nonzero value (every voxel counts a little)."""
+    axes = []
+    for edge in window:
+        centre, sigma = (edge - 1) / 2, max(edge * sigma_scale, 1e-3)
+        axes.append(np.exp(-0.5 * ((np.arange(edge) - centre) / sigma) ** 2))
+    weights = axes[0][:, None, None] * axes[1][None, :, None] * axes[2][None, None, :]
+    weights = (weights / weights.max()).astype(np.float32)
+    weights[weights == 0] = weights[weights > 0].min()
+    return weights
+
+
+def _mirrored(forward, volume: np.ndarray, tta: bool) -> np.ndarray:
+    """The forward pass of ``volume`` (1, X, Y, Z, C), averaged over the 8 mirrorings when ``tta``."""
+    if not tta:
+        return forward(volume)
+    total = None
+    flips = [axes for count in range(4) for axes in itertools.combinations((1, 2, 3), count)]
+    for axes in flips:
+        flipped = np.ascontiguousarray(np.flip(volume, axes)) if axes else volume
+        prediction = forward(flipped)
+        prediction = np.flip(prediction, axes) if axes else prediction
+        total = prediction.copy() if total is None else total + prediction
+    return total / len(flips)
+
+
+def predict_probabilities(forward, image: np.ndarray, plan: InferencePlan, tta: bool = False) -> np.ndarray:
+    """(X, Y, Z, K) probabilities for a normalized (X, Y, Z, C) image, whole or in tiles as planned."""
+    shape = image.shape[:3]
+    padded = plan.padded
+    placements = [_placement(source, edge, 0, None) for source, edge in zip(shape, padded)]
+    inside = tuple(slice(start, start + length) for _, start, length in placements)
+    volume = np.zeros((1, *padded, image.shape[-1]), dtype=np.float32)
+    volume[(0, *inside)] = image
+    if plan.mode == "whole":
+        probabilities = _mirrored(forward, volume, tta)[0]
+    else:
+        probabilities = _tiled(forward, volume, plan.window, tta)
+    del volume
+    return np.ascontiguousarray(probabilities[inside])
+
+
+def _tiled(forward, volume: np.ndarray, window: tuple[int, int, int], tta: bool) -> np.ndarray:
+    """Sliding window over the padded ``volume``: half-tile steps, Gaussian-weighted average."""
+    padded = volume.shape[1:4]
+    weights = gaussian_weights(window)
+    total = None
+    weight_sum = np.zeros(padded, dtype=np.float32)
+    starts = [tile_starts(full, edge) for full, edge in zip(padded, window)]
+    count, done, last_line = math.prod(len(axis) for axis in starts), 0, time.monotonic()
+    for x, y, z in itertools.product(*starts):
+        region = (slice(x, x + window[0]), slice(y, y + window[1]), slice(z, z + window[2]))
+        prediction = _mirrored(forward, np.ascontiguousarray(volume[(slice(None), *region)]), tta)[0]
+        if total is None:
+            total = np.zeros((*padded, prediction.shape[-1]), dtype=np.float32)
+        total[region] += prediction * weights[..., None]
+        weight_sum[region] += weights
+        done += 1
+        if time.monotonic() - last_line >= 10:
+            print(f"predict:   tile {done}/{count}", file=sys.stderr, flush=True)
+            last_line = time.monotonic()
+    total /= weight_sum[..., None]
+    return total
+
+
+def labels_from(probabilities: np.ndarray) -> np.ndarray:
+    """One class: probability >= 0.5 is 1; several: the most probable class."""
+    if probabilities.shape[-1] == 1:
+        return (probabilities[..., 0] >= 0.5).astype(np.uint8)
+    return np.argmax(probabilities, axis=-1).astype(np.uint8)
+
+
+def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = None, engine=None) -> dict:
+    """Predict every case not yet written; returns (and writes) the summary."""
+    config = request.source.config
+    check_out_dir(request.out_dir)
+    plans = plans if plans is not None else plan_cases(request)
+    todo = [case for case in request.cases if not output_path(request.out_dir, case.name).exists()]
+    print(
+        f"predict: {len(request.cases)} case(s), {len(request.cases) - len(todo)} already written; "
+        f"model {request.source.model_path}",
+        file=sys.stderr,
+        flush=True,
+    )
+    summary_path = request.out_dir / SUMMARY
+    summary = _read_summary(summary_path)
+    summary.update(
+        {
+            "model": str(request.source.model_path),
+            "config": str(request.source.config_path),
+            "engine": request.engine,
+            "tta": request.tta,
+            "label_mode": config.data.label_mode,
+            "output_classes": config.model.output_classes,
+        }
+    )
+    if todo and engine is None:
+        engine = make_engine(request.engine, request.source.model_path)
+    for number, case in enumerate(todo, start=1):
+        plan = plans[case.name]
+        started = time.monotonic()
+        image = prepare_image(case.path, config, case.channels)
+        probabilities = predict_probabilities(engine, image, plan, request.tta)
+        del image
+        source = nib.load(case.path)
+        if request.probabilities:
+            write_atomically(
+                like_source(source, probabilities, np.float32),
+                output_path(request.out_dir, case.name, PROBABILITIES_SUFFIX),
+            )
+        write_atomically(
+            like_source(source, labels_from(probabilities), np.uint8), output_path(request.out_dir, case.name)
+        )
+        del probabilities
+        seconds = time.monotonic() - started
+        summary["cases"][case.name] = {
+            "image": str(case.path),
+            "output": output_path(request.out_dir, case.name).name,
+            "shape": list(case.shape),
+            "mode": plan.mode,
+            "window": list(plan.window),
+            "tiles": plan.tiles,
+            "planned_peak_bytes": plan.peak_bytes,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "seconds": round(seconds, 3),
+            "voxels_per_second": round(math.prod(case.shape) / seconds) if seconds > 0 else None,
+        }
+        _write_summary(summary_path, summary)
+        print(
+            f"predict: {number}/{len(todo)} {case.name} {'x'.join(map(str, case.shape))} {plan.mode}"
+            f"{'' if plan.mode == 'whole' else ' ' + str(plan.tiles) + ' tiles'} in {seconds:.1f} s "
+            f"(planned {format_bytes(plan.peak_bytes)}, process peak {format_bytes(peak_rss_bytes())})",
+            file=sys.stderr,
+            flush=True,
+        )
+    _write_summary(summary_path, summary)
+    return summary
+
+
+def _read_summary(path: Path) -> dict:
+    try:
+        summary = json.loads(path.read_text())
+        if isinstance(summary, dict) and isinstance(summary.get("cases"), dict):
+            return summary
+    except (OSError, ValueError):
+        pass
+    return {"cases": {}}
+
+
+def _write_summary(path: Path, summary: dict) -> None:
+    partial = path.with_name(PARTIAL_PREFIX + path.name)
+    partial.write_text(json.dumps(summary, indent=2) + "\n")
+    partial.replace(path)

@@ -1,0 +1,161 @@
+"""What ``predict`` reads: the trained model (a run directory or a ``.keras`` file) with the config it
+was trained with, and the images to segment. Everything here is checked before TensorFlow is imported,
+so a bad flag costs a second, not a model load.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import nibabel as nib
+
+from bigmem_train.config import Config, load_config
+from bigmem_train.data.reader import _READ_ERRORS, _case_name, _geometry
+from bigmem_train.errors import BadInput
+
+CHECKPOINTS = ("best.keras", "last.keras")
+NIFTI_SUFFIXES = (".nii.gz", ".nii")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A trained model file and the job config it was trained with."""
+
+    model_path: Path
+    config: Config
+    config_path: Path
+    input_channels: int
+    output_classes: int
+
+
+@dataclass(frozen=True)
+class ImageCase:
+    """One image to segment: its case name (the file name without .nii/.nii.gz), shape and channels."""
+
+    name: str
+    path: Path
+    shape: tuple[int, int, int]
+    channels: int
+
+
+def _keras_model_config(path: Path) -> dict[str, Any]:
+    """The model's config.json from a Keras 3 ``.keras`` archive, or BadInput naming the file."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return json.loads(archive.read("config.json"))
+    except (zipfile.BadZipFile, KeyError, OSError, ValueError):
+        raise BadInput(f"{path}: not a Keras model file (a .keras archive with a config.json)") from None
+
+
+def _model_io(path: Path, model_config: dict[str, Any]) -> tuple[int, int]:
+    """(input channels, output classes) of a saved U-Net, read from its config without Keras."""
+    try:
+        layer_configs = model_config["config"]["layers"]
+        inputs = [layer for layer in layer_configs if layer["class_name"] == "InputLayer"]
+        channels = int(inputs[0]["config"]["batch_shape"][-1])
+        outputs = model_config["config"]["output_layers"]  # ["name", 0, 0], or a list of those
+        output_name = outputs[0] if isinstance(outputs[0], str) else outputs[0][0]
+        output = next(layer for layer in layer_configs if layer["config"]["name"] == output_name)
+        classes = int(output["config"]["filters"])
+    except (KeyError, IndexError, TypeError, ValueError, StopIteration):
+        raise BadInput(
+            f"{path}: a Keras model, but not one of the kit's U-Nets (no volume input or output)"
+        ) from None
+    return channels, classes
+
+
+def resolve_model(spec: str | Path, config_path: str | Path | None = None) -> ModelSource:
+    """``spec`` is a run directory (its best checkpoint, else its last, and its config.yaml) or a
+    ``.keras`` file (with the config.yaml of the run it is in, or ``config_path``)."""
+    path = Path(spec)
+    if path.is_dir():
+        candidates = [path / "checkpoints" / name for name in CHECKPOINTS]
+        model_path = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if model_path is None:
+            raise BadInput(
+                f"--model {spec}: a folder without checkpoints/best.keras or last.keras (not a run directory)"
+            )
+        run_config = path / "config.yaml"
+    elif path.is_file():
+        model_path = path
+        run_config = path.parent.parent / "config.yaml" if path.parent.name == "checkpoints" else None
+    else:
+        raise BadInput(f"--model {spec}: does not exist")
+    chosen = Path(config_path) if config_path else run_config
+    if chosen is None or not chosen.is_file():
+        raise BadInput(
+            f"--model {spec}: no config.yaml of the run it was trained in; pass --config with the job's config"
+        )
+    config = load_config(chosen)
+    channels, classes = _model_io(model_path, _keras_model_config(model_path))
+    if channels != config.num_channels or classes != config.model.output_classes:
+        raise BadInput(
+            f"{model_path}: the model reads {channels} channel(s) and predicts {classes} class(es), but "
+            f"{chosen} says data.channels {config.data.channels} and model.output_classes "
+            f"{config.model.output_classes}: the model and its config do not belong together"
+        )
+    return ModelSource(model_path, config, chosen, channels, classes)
+
+
+def _nifti_files(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.iterdir() if path.is_file() and path.name.endswith(NIFTI_SUFFIXES))
+
+
+def _listed_images(dataset_dir: Path, subset: str) -> list[Path]:
+    """The images a Decathlon ``dataset.json`` lists under ``subset`` ("test" or "training")."""
+    try:
+        index = json.loads((dataset_dir / "dataset.json").read_text())
+    except (OSError, ValueError) as error:
+        raise BadInput(f"{dataset_dir / 'dataset.json'}: cannot be read ({error})") from None
+    entries = index.get(subset)
+    if not isinstance(entries, list) or not entries:
+        raise BadInput(f"{dataset_dir / 'dataset.json'} lists no {subset!r} images")
+    paths = []
+    for entry in entries:
+        relative = entry["image"] if isinstance(entry, dict) and "image" in entry else entry
+        if not isinstance(relative, str):
+            raise BadInput(
+                f"{dataset_dir / 'dataset.json'}: a {subset!r} entry is not an image path: {entry!r}"
+            )
+        paths.append(dataset_dir / relative)
+    return paths
+
+
+def resolve_images(specs: list[str], subset: str = "test") -> list[ImageCase]:
+    """The images named on the command line: NIfTI files, folders of them, or a Decathlon folder (its
+    dataset.json's ``subset`` list). Each header is read; unreadable files and names given twice are
+    refused (their outputs would overwrite each other)."""
+    paths: list[Path] = []
+    for spec in specs:
+        path = Path(spec)
+        if path.is_dir():
+            found = _listed_images(path, subset) if (path / "dataset.json").is_file() else _nifti_files(path)
+            if not found:
+                raise BadInput(f"--data {spec}: a folder without .nii or .nii.gz images")
+            paths.extend(found)
+        elif path.is_file():
+            if not path.name.endswith(NIFTI_SUFFIXES):
+                raise BadInput(f"--data {spec}: not a NIfTI image (.nii or .nii.gz)")
+            paths.append(path)
+        else:
+            raise BadInput(f"--data {spec}: does not exist")
+    cases: dict[str, ImageCase] = {}
+    for path in paths:
+        if not path.is_file():
+            raise BadInput(f"{path}: listed but does not exist")
+        try:
+            image = nib.load(path)
+        except _READ_ERRORS as error:
+            raise BadInput(f"{path}: not a readable NIfTI file ({error})") from None
+        shape, channels = _geometry(path, image)
+        name = _case_name(path)
+        if name in cases:
+            raise BadInput(
+                f"two images are named {name}: {cases[name].path} and {path}; their masks would collide"
+            )
+        cases[name] = ImageCase(name, path, shape, channels)
+    return list(cases.values())
