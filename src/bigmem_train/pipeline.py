@@ -14,6 +14,8 @@ from bigmem_train.data.split import training_split
 from bigmem_train.data.synth import write_synthetic_dataset
 from bigmem_train.errors import EXIT_FAIL, EXIT_PASS
 from bigmem_train.host import HostFacts, read_host_facts
+from bigmem_train.infer.predict import PredictRequest, predict
+from bigmem_train.infer.source import ImageCase, resolve_model
 from bigmem_train.memory.plan import JobPlan, plan_job
 from bigmem_train.memory.preflight import check_fits
 from bigmem_train.ops.distribute import config_for_this_worker, is_chief, planned_workers
@@ -21,6 +23,7 @@ from bigmem_train.sizes import format_bytes
 from bigmem_train.train import launch
 from bigmem_train.train.guard import MemoryStopped
 from bigmem_train.train.loop import train
+from bigmem_train.verdict.evaluate import evaluate_pairs
 from bigmem_train.verdict.report import write_report
 from bigmem_train.verdict.rundir import (
     FAILED,
@@ -31,7 +34,7 @@ from bigmem_train.verdict.rundir import (
     set_state,
     write_json,
 )
-from bigmem_train.verdict.validate import format_verdict, validate_run
+from bigmem_train.verdict.validate import EVALUATION_DIR, format_verdict, validate_run
 
 
 def run_job(config: Config, validate_and_report: bool = True) -> int:
@@ -51,6 +54,7 @@ def run_job(config: Config, validate_and_report: bool = True) -> int:
     if not validate_and_report or not (config.training.strategy != "multi_worker" or is_chief()):
         print(f"TRAINED {run_dir}")
         return EXIT_PASS
+    evaluate_whole_volumes(run_dir, cases[1])
     return validate_and_write_report(run_dir)
 
 
@@ -118,6 +122,24 @@ def train_run(
         set_state(run_dir, FAILED, error=f"{type(error).__name__}: {error}"[:2000])
         raise
     set_state(run_dir, FINISHED)
+
+
+def evaluate_whole_volumes(run_dir: Path, validation_cases: list) -> dict:
+    """The best checkpoint on the validation cases at full size, as ``predict`` and ``evaluate`` would:
+    RUN_DIR/evaluation/ holds the masks, predict.json and evaluation.{json,csv,html,png}."""
+    source = resolve_model(run_dir)
+    out_dir = run_dir / EVALUATION_DIR
+    masks = out_dir / "predictions"
+    images = [ImageCase(case.name, case.image, case.shape, case.channels) for case in validation_cases]
+    print(
+        f"bigmem-train: evaluating {source.model_path.name} on {len(images)} whole validation volume(s)",
+        flush=True,
+    )
+    summary = predict(PredictRequest(source, images, masks))
+    pairs = [
+        (case.name, masks / summary["cases"][case.name]["output"], case.label) for case in validation_cases
+    ]
+    return evaluate_pairs(pairs, summary, out_dir, str(masks), "the run's validation labels")
 
 
 def validate_and_write_report(run_dir: Path) -> int:

@@ -196,9 +196,20 @@ def _prediction_meta(pred_dir: Path) -> dict[str, Any]:
 
 def evaluate_folders(pred_dir: Path, labels_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     """Score every prediction in ``pred_dir`` against its label; write evaluation.{json,csv,html,png}."""
-    out_dir = out_dir or pred_dir
     pairs = pair_cases(pred_dir, labels_dir)
-    meta = _prediction_meta(pred_dir)
+    return evaluate_pairs(
+        pairs, _prediction_meta(pred_dir), out_dir or pred_dir, str(pred_dir), str(labels_dir)
+    )
+
+
+def evaluate_pairs(
+    pairs: list[tuple[str, Path, Path]],
+    meta: dict[str, Any],
+    out_dir: Path,
+    predictions: str = "",
+    labels: str = "",
+) -> dict[str, Any]:
+    """Score (case, prediction, label) pairs; ``meta`` is predict.json (label mode, classes) or {}."""
     scores: list[Score] = []
     named: dict[str, tuple[int, ...]] | None = None
     classes = 2
@@ -228,7 +239,7 @@ def evaluate_folders(pred_dir: Path, labels_dir: Path, out_dir: Path | None = No
             )
             last_line = now
     result = summarize(scores, list(named or {}))
-    result.update({"predictions": str(pred_dir), "labels": str(labels_dir), "convention": CONVENTION})
+    result.update({"predictions": predictions, "labels": labels, "convention": CONVENTION})
     write_results(result, scores, out_dir)
     return result
 

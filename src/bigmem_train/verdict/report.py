@@ -219,12 +219,34 @@ def write_report(run_dir: Path) -> Path:
 <h2>Criteria</h2><ul>{criteria or "<li>not validated yet: run bigmem-train validate</li>"}</ul>
 <h2>Key figures</h2><table>{table}</table>
 <h2>Planned memory</h2><table>{breakdown or "<tr><td>no plan recorded</td></tr>"}</table>
+{_evaluation_section(run_dir)}
 <h2>Plots</h2>{figures}
 </body></html>
 """
     path = run_dir / "report.html"
     path.write_text(page)
     return path
+
+
+def _evaluation_section(run_dir: Path) -> str:
+    """The best checkpoint on the whole validation volumes (RUN_DIR/evaluation/), when the run has it."""
+    from bigmem_train.verdict.evaluation_report import evaluation_tables, plot_evaluation
+
+    folder = run_dir / "evaluation"
+    result = _load(folder / "evaluation.json")
+    if not result.get("summary"):
+        return ""
+    image = folder / "evaluation.png"
+    if not image.exists():
+        plot_evaluation(result, image)
+    figure = (
+        f'<img src="evaluation/{image.name}" alt="Dice and HD95 per structure">' if image.exists() else ""
+    )
+    return (
+        "<h2>The model on whole validation volumes</h2><p>The best checkpoint applied by "
+        "<code>bigmem-train predict</code> to each validation case at full size and scored by "
+        f"<code>bigmem-train evaluate</code> (evaluation/).</p>{evaluation_tables(result)}{figure}"
+    )
 
 
 def _held_statement(metrics: dict) -> str:

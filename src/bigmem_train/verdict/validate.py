@@ -70,6 +70,22 @@ def _history(run_dir: Path) -> list[dict[str, float]]:
     return read_history(run_dir / "history.csv")
 
 
+EVALUATION_DIR = "evaluation"
+
+
+def full_size_dice(evaluation: dict[str, Any]) -> tuple[float, int] | None:
+    """(Dice pooled over the whole validation volumes, cases) from a run's evaluation.json: the
+    foreground's for a binary model, the mean over the classes' for a multiclass one; None without one."""
+    summary = evaluation.get("summary") or {}
+    if "foreground" in summary:
+        row = summary["foreground"]
+        return float(row["pooled_dice"]), int(row["cases"])
+    classes = [row for name, row in summary.items() if name not in {"whole tumour", "tumour core"}]
+    if not classes:
+        return None
+    return sum(float(row["pooled_dice"]) for row in classes) / len(classes), int(classes[0]["cases"])
+
+
 def evaluate(run_dir: Path) -> Verdict:
     """Check a run directory and return its verdict (does not write anything)."""
     run_dir = Path(run_dir)
@@ -118,15 +134,32 @@ def evaluate(run_dir: Path) -> Verdict:
     dice = [row[column] for row in history if column in row and math.isfinite(row[column])]
     best = max(dice) if dice else None
     floor = config.validation.dice_floor
-    criteria.append(
-        Criterion(
-            "dice_floor",
-            best is not None and best >= floor,
-            f"best validation {config.validation.dice_metric} Dice {best:.4f} vs floor {floor}"
-            if best is not None
-            else f"no validation {config.validation.dice_metric} Dice recorded",
-        )
+    crop = (
+        f"best {config.validation.dice_metric} Dice on the {'x'.join(map(str, config.data.input_shape))} "
+        f"validation crops {best:.4f}"
+        if best is not None
+        else f"no validation {config.validation.dice_metric} Dice recorded"
     )
+    full_size = full_size_dice(read_record(run_dir / EVALUATION_DIR / "evaluation.json"))
+    if full_size is not None:
+        # The floor is judged on whole volumes: PASS means the model segments whole scans, borders included.
+        value, cases = full_size
+        criteria.append(
+            Criterion(
+                "dice_floor",
+                value >= floor,
+                f"Dice {value:.4f} on {cases} whole validation volume(s) (best checkpoint, pooled) vs floor "
+                f"{floor}; {crop}",
+            )
+        )
+    else:
+        criteria.append(
+            Criterion(
+                "dice_floor",
+                best is not None and best >= floor,
+                f"{crop} vs floor {floor} (no whole-volume evaluation in {EVALUATION_DIR}/: judged on the crops)",
+            )
+        )
 
     memory = read_memory_csv(run_dir / "memory.csv")
     peak = measured_peak(memory, metrics)
