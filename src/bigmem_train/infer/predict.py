@@ -24,9 +24,9 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 
-from bigmem_train.data.prepare import prepare_image
+from bigmem_train.data.prepare import channel_selection, prepare_image
 from bigmem_train.data.reader import _placement
-from bigmem_train.errors import BadInput
+from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.host import read_host_facts
 from bigmem_train.infer.engine import make_engine
 from bigmem_train.infer.nifti import PARTIAL_PREFIX, like_source, output_path, write_atomically
@@ -68,24 +68,35 @@ def check_out_dir(out_dir: Path) -> None:
 
 
 def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
-    """The memory a prediction may plan for: ``--target`` (a size or a share of the host), else the
-    host's available memory (capped by a cgroup limit) less the job's safety margin."""
+    """The memory a prediction may plan for: the host's available memory (capped by a cgroup limit) less
+    the job's safety margin, or ``--target`` (a size or a share of the host) when it is no more than that."""
     host = read_host_facts()
     available = host.effective_memory_bytes
-    if target:
-        try:
-            limit = parse_size(target, host.total_memory_bytes)
-        except ValueError as error:
-            raise BadInput(f"--target {target}: {error}") from None
-        return limit, f"--target {target}"
-    return int(
-        available * (1.0 - safety_margin)
-    ), f"usable memory ({format_bytes(available)} less {safety_margin:.0%})"
+    usable = int(available * (1.0 - safety_margin))
+    if not target:
+        return usable, f"usable memory ({format_bytes(available)} less {safety_margin:.0%})"
+    try:
+        limit = parse_size(target, host.limit_total_bytes)
+    except BadInput as error:
+        raise BadInput(f"--target {target}: {error}") from None
+    if limit > usable:
+        raise DoesNotFit(
+            f"--target {target} ({format_bytes(limit)}) is more than this host's usable memory "
+            f"{format_bytes(usable)} ({format_bytes(available)} less the {safety_margin:.0%} safety margin)"
+        )
+    return limit, f"--target {target}"
 
 
 def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
     """Every case planned before the model is loaded; DoesNotFit (exit 3) when one cannot fit even in tiles."""
     config = request.source.config
+    for case in request.cases:
+        wanted = channel_selection(config, case.channels)
+        if max(wanted) >= case.channels:
+            raise BadInput(
+                f"{case.path}: has {case.channels} channel(s), too few for the model's data.channels "
+                f"{config.data.channels}"
+            )
     limit, _ = limit_for(request.target, config.footprint.safety_margin)
     table = layer_table(config)
     return {

@@ -1,0 +1,178 @@
+"""evaluate: Dice and HD95 against MedPy (a well-kept reference), the empty-mask convention, BraTS regions,
+and the bad inputs it refuses before scoring anything."""
+
+from __future__ import annotations
+
+import json
+
+import nibabel as nib
+import numpy as np
+import pytest
+
+from bigmem_train.cli import main
+from bigmem_train.errors import BadInput
+from bigmem_train.verdict.evaluate import dice, evaluate_folders, hd95, score_case, structures
+
+medpy_binary = pytest.importorskip("medpy.metric.binary")
+
+
+def _ball(shape, centre, radius, spacing=(1.0, 1.0, 1.0)) -> np.ndarray:
+    grid = np.meshgrid(*[np.arange(edge) * step for edge, step in zip(shape, spacing)], indexing="ij")
+    return sum((axis - c * step) ** 2 for axis, c, step in zip(grid, centre, spacing)) <= radius**2
+
+
+def _blobs(rng, shape) -> np.ndarray:
+    from scipy.ndimage import gaussian_filter
+
+    noise = gaussian_filter(rng.standard_normal(shape), sigma=rng.uniform(1.0, 3.0))
+    return noise > rng.uniform(0.05, 0.4) * noise.std()
+
+
+CRAFTED = [
+    # (predicted, true, spacing): shifted cubes, anisotropic voxels, a ball against an off-centre ball,
+    # one voxel against a slab, objects touching the volume's border.
+    (
+        np.pad(np.ones((6, 6, 6), bool), 5),
+        np.pad(np.ones((6, 6, 6), bool), ((7, 3), (5, 5), (5, 5))),
+        (1.0, 1.0, 1.0),
+    ),
+    (
+        np.pad(np.ones((6, 6, 6), bool), 5),
+        np.pad(np.ones((6, 6, 6), bool), ((7, 3), (5, 5), (5, 5))),
+        (0.7, 1.3, 3.0),
+    ),
+    (_ball((30, 30, 20), (15, 15, 10), 7), _ball((30, 30, 20), (17, 13, 9), 5), (1.0, 1.0, 2.5)),
+    (
+        np.pad(np.ones((1, 1, 1), bool), ((4, 5), (4, 5), (4, 5))),
+        np.pad(np.ones((10, 10, 2), bool), ((0, 0), (0, 0), (3, 5))),
+        (1.0, 1.0, 1.0),
+    ),
+    (np.ones((8, 9, 10), bool), np.pad(np.ones((4, 9, 10), bool), ((4, 0), (0, 0), (0, 0))), (2.0, 1.0, 1.0)),
+]
+
+
+@pytest.mark.parametrize("predicted, true, spacing", CRAFTED)
+def test_crafted_cases_match_medpy(predicted, true, spacing):
+    assert dice(predicted, true) == pytest.approx(medpy_binary.dc(predicted, true), abs=1e-12)
+    assert hd95(predicted, true, spacing) == pytest.approx(
+        medpy_binary.hd95(predicted, true, voxelspacing=spacing), abs=1e-9
+    )
+
+
+def test_random_cases_match_medpy():
+    rng = np.random.default_rng(7)
+    compared = 0
+    for _ in range(24):
+        shape = tuple(int(edge) for edge in rng.integers(12, 40, size=3))
+        spacing = tuple(float(step) for step in rng.uniform(0.5, 3.0, size=3))
+        predicted, true = _blobs(rng, shape), _blobs(rng, shape)
+        if not predicted.any() or not true.any():
+            continue
+        assert dice(predicted, true) == pytest.approx(medpy_binary.dc(predicted, true), abs=1e-12)
+        assert hd95(predicted, true, spacing) == pytest.approx(
+            medpy_binary.hd95(predicted, true, voxelspacing=spacing), abs=1e-9
+        )
+        compared += 1
+    assert compared >= 20
+
+
+def test_empty_masks_follow_the_stated_convention():
+    empty = np.zeros((240, 240, 155), bool)
+    some = empty.copy()
+    some[100:110, 100:110, 70:80] = True
+    assert dice(empty, empty) == 1.0 and hd95(empty, empty, (1.0, 1.0, 1.0)) == 0.0
+    # One side empty: Dice 0 and the volume's diagonal, BraTS' 373.13 mm at 240x240x155 and 1 mm.
+    assert dice(some, empty) == 0.0 and dice(empty, some) == 0.0
+    assert hd95(some, empty, (1.0, 1.0, 1.0)) == pytest.approx(373.13, abs=0.01)
+    assert hd95(empty, some, (1.0, 1.0, 2.0)) == pytest.approx(float(np.sqrt(240**2 + 240**2 + 310**2)))
+
+
+def test_brats_regions_pool_the_decathlon_labels():
+    true = np.zeros((20, 20, 20), np.int32)
+    true[2:8, 2:8, 2:8] = 1  # edema
+    true[4:6, 4:6, 4:6] = 2  # non-enhancing
+    true[5, 5, 5] = 3  # enhancing
+    predicted = true.copy()
+    predicted[predicted == 2] = 3  # non-enhancing called enhancing: tumour core stays right
+    named = structures("multiclass", 4, {0, 1, 2, 3})
+    assert set(named) == {"edema", "non-enhancing tumour", "enhancing tumour", "whole tumour", "tumour core"}
+    scores = {score.structure: score for score in score_case("c", predicted, true, (1.0, 1.0, 1.0), named)}
+    assert scores["whole tumour"].dice == 1.0 and scores["tumour core"].dice == 1.0
+    assert scores["non-enhancing tumour"].dice == 0.0
+    assert scores["enhancing tumour"].dice == pytest.approx(2 * 1 / (8 + 1))
+    assert scores["edema"].true_voxels == 6**3 - 2**3
+
+
+def _write(path, data, affine=None, zooms=(1.0, 1.0, 1.0)):
+    image = nib.Nifti1Image(np.asarray(data), np.diag([*zooms, 1.0]) if affine is None else affine)
+    image.header.set_zooms(zooms)
+    nib.save(image, path)
+
+
+def _folders(tmp_path, cases=3):
+    rng = np.random.default_rng(3)
+    pred, labels = tmp_path / "pred", tmp_path / "labels"
+    pred.mkdir()
+    labels.mkdir()
+    for index in range(cases):
+        true = _ball((24, 24, 16), (12 + index, 12, 8), 5)
+        predicted = true ^ (rng.random(true.shape) < 0.01)
+        _write(labels / f"case_{index}.nii.gz", true.astype(np.uint8), zooms=(1.0, 1.0, 2.0))
+        _write(pred / f"case_{index}.nii.gz", predicted.astype(np.uint8), zooms=(1.0, 1.0, 2.0))
+    return pred, labels
+
+
+def test_evaluate_writes_json_csv_html_and_a_plot(tmp_path):
+    pred, labels = _folders(tmp_path)
+    assert (
+        main(["evaluate", "--pred", str(pred), "--labels", str(labels), "--out", str(tmp_path / "out")]) == 0
+    )
+    result = json.loads((tmp_path / "out" / "evaluation.json").read_text())
+    assert len(result["cases"]) == 3 and set(result["summary"]) == {"foreground"}
+    row = result["cases"][0]
+    true = np.asanyarray(nib.load(labels / "case_0.nii.gz").dataobj) > 0
+    predicted = np.asanyarray(nib.load(pred / "case_0.nii.gz").dataobj) > 0
+    assert row["dice"] == pytest.approx(medpy_binary.dc(predicted, true), abs=1e-4)
+    assert row["hd95_mm"] == pytest.approx(
+        medpy_binary.hd95(predicted, true, voxelspacing=(1, 1, 2)), abs=0.01
+    )
+    assert row["true_ml"] == pytest.approx(true.sum() * 2 / 1000, abs=1e-3)
+    csv_lines = (tmp_path / "out" / "evaluation.csv").read_text().splitlines()
+    assert len(csv_lines) == 4 and csv_lines[0].startswith("case,structure,dice,hd95_mm")
+    page = (tmp_path / "out" / "evaluation.html").read_text()
+    assert "case_2" in page and "evaluation.png" in page and "BraTS" in page
+    assert (tmp_path / "out" / "evaluation.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("missing_label", "no label for 1 predicted case(s): case_1"),
+        ("shape", "label shape [24, 24, 15] differs from its prediction's [24, 24, 16]"),
+        ("orientation", "voxel axes LAS differ from its prediction's RAS"),
+        ("class", "value 5 is not one of the model's 4 classes"),
+    ],
+)
+def test_bad_inputs_are_one_line_and_exit_2(tmp_path, capsys, breakage, message):
+    pred, labels = _folders(tmp_path)
+    if breakage == "missing_label":
+        (labels / "case_1.nii.gz").unlink()
+    elif breakage == "shape":
+        _write(labels / "case_1.nii.gz", np.zeros((24, 24, 15), np.uint8))
+    elif breakage == "orientation":
+        _write(
+            labels / "case_1.nii.gz", np.zeros((24, 24, 16), np.uint8), affine=np.diag([-1.0, 1.0, 2.0, 1.0])
+        )
+    else:
+        (pred / "predict.json").write_text(json.dumps({"label_mode": "multiclass", "output_classes": 4}))
+        _write(labels / "case_0.nii.gz", np.full((24, 24, 16), 5, np.uint8))
+    assert main(["evaluate", "--pred", str(pred), "--labels", str(labels)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (pred / "evaluation.json").exists()
+
+
+def test_a_folder_without_masks_is_refused(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(BadInput, match="no .nii or .nii.gz masks"):
+        evaluate_folders(tmp_path / "empty", tmp_path)

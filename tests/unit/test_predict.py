@@ -1,0 +1,289 @@
+"""predict: whole volumes of any shape back in their source's geometry, tiles that blend to the whole
+volume's answer, atomic outputs that a rerun skips, the inference plan, and bad input refused before any
+model is loaded.
+
+A tiny untrained U-Net (depth 2, 4 filters) stands in for a trained one where only shapes and geometry
+matter; ``pointwise`` is a stand-in engine (a per-voxel function, so a tile's answer cannot depend on its
+neighbours) for checking the blending arithmetic exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import zipfile
+
+import nibabel as nib
+import numpy as np
+import pytest
+import yaml
+
+from bigmem_train.cli import main
+from bigmem_train.config import load_config
+from bigmem_train.errors import BadInput, DoesNotFit
+from bigmem_train.infer.predict import PredictRequest, gaussian_weights, predict, predict_probabilities
+from bigmem_train.infer.source import ImageCase, resolve_images, resolve_model
+from bigmem_train.memory.inference import forward_live_bytes, padded_shape, plan_volume, tile_starts
+from tests.fixtures.common import recorded_layer_table
+
+JOB = {
+    "data": {"channels": [1], "input_shape": [16, 16, 16], "label_mode": "binary"},
+    "model": {"depth": 2, "base_filters": 4},
+}
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """A run directory as `train` leaves it: config.yaml and checkpoints/best.keras (untrained)."""
+    pytest.importorskip("tensorflow")
+    from bigmem_train.model.unet import build_unet
+
+    folder = tmp_path_factory.mktemp("run")
+    (folder / "config.yaml").write_text(yaml.safe_dump(JOB))
+    config = load_config(folder / "config.yaml")
+    model = build_unet(config.model, tuple(config.data.input_shape), config.num_channels)
+    (folder / "checkpoints").mkdir()
+    model.save(folder / "checkpoints" / "best.keras")
+    return folder
+
+
+def _image(path, shape, channels=2, affine=None, five_d=False, nifti2=False, seed=0):
+    rng = np.random.default_rng(seed)
+    data = rng.integers(0, 800, size=(*shape, channels)).astype(np.int16)
+    data[:2] = 0  # background
+    if five_d:
+        data = data[:, :, :, None, :]
+    if affine is None:
+        affine = np.array([[-1.2, 0, 0, 90], [0, 1.0, 0.1, -120], [0, 0, 2.5, -60], [0, 0, 0, 1]])
+    klass = nib.Nifti2Image if nifti2 else nib.Nifti1Image
+    image = klass(data, affine)
+    image.set_qform(affine, code=1)
+    image.set_sform(affine, code=2)
+    image.header.set_xyzt_units("mm", "sec")
+    nib.save(image, path)
+    return path
+
+
+def test_masks_keep_the_source_shape_and_geometry(run_dir, tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    _image(images / "odd.nii.gz", (37, 29, 21))
+    _image(images / "five_d.nii.gz", (20, 24, 18), five_d=True, seed=1)
+    _image(images / "two.nii", (17, 16, 15), nifti2=True, seed=2)
+    code = main(["predict", "--model", str(run_dir), "--data", str(images), "--out", str(tmp_path / "out")])
+    assert code == 0
+    for name in ("odd", "five_d", "two"):
+        source = nib.load(next(images.glob(f"{name}.nii*")))
+        mask = nib.load(tmp_path / "out" / f"{name}.nii.gz")
+        assert mask.shape == source.shape[:3] and mask.get_data_dtype() == np.uint8
+        assert type(mask) is type(source)
+        np.testing.assert_allclose(mask.affine, source.affine, atol=1e-5)
+        for form in ("qform", "sform"):
+            matrix, code = getattr(mask, f"get_{form}")(coded=True)
+            source_matrix, source_code = getattr(source, f"get_{form}")(coded=True)
+            assert int(code) == int(source_code)
+            np.testing.assert_allclose(matrix, source_matrix, atol=1e-5)
+        assert mask.header.get_zooms()[:3] == pytest.approx(source.header.get_zooms()[:3])
+        assert set(np.unique(np.asanyarray(mask.dataobj))) <= {0, 1}
+    summary = json.loads((tmp_path / "out" / "predict.json").read_text())
+    assert summary["cases"]["odd"]["window"] == [40, 32, 24]  # padded to multiples of 2**depth
+    assert not list((tmp_path / "out").glob(".partial-*"))
+
+
+def pointwise(volume):
+    """A stand-in network: the probability of a voxel depends on that voxel alone."""
+    return 1 / (1 + np.exp(-volume[..., :1]))
+
+
+def test_tiles_blend_to_the_whole_volumes_answer():
+    config = load_config(None, {"model.depth": 2, "model.base_filters": 4, "data.channels": [0]})
+    table = recorded_layer_table("unet_depth3_filters8_float32")
+    image = np.random.default_rng(0).standard_normal((30, 22, 13, 1)).astype(np.float32)
+    whole = plan_volume(config, table, image.shape[:3], 1, None)
+    tiled = plan_volume(config, table, image.shape[:3], 1, None, window=(8, 8, 8))
+    assert whole.mode == "whole" and tiled.mode == "tiles" and tiled.tiles > 8
+    expected = predict_probabilities(pointwise, image, whole)
+    np.testing.assert_allclose(predict_probabilities(pointwise, image, tiled), expected, rtol=1e-5, atol=1e-6)
+    mirrored = predict_probabilities(pointwise, image, tiled, tta=True)
+    np.testing.assert_allclose(mirrored, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_tile_steps_cover_the_volume_with_half_tile_overlap():
+    for length, tile in [(240, 128), (160, 64), (64, 64), (37, 16)]:
+        starts = tile_starts(length, tile)
+        assert starts[0] == 0 and starts[-1] + tile == max(length, tile)
+        assert all(0 < b - a <= tile // 2 + 1 for a, b in zip(starts, starts[1:]))
+    weights = gaussian_weights((16, 8, 12))
+    assert weights.max() == pytest.approx(1.0) and weights.min() > 0
+    assert weights[8, 4, 6] > weights[0, 0, 0]
+
+
+def test_an_interrupted_predict_leaves_nothing_that_looks_finished_and_a_rerun_skips_done_cases(
+    run_dir, tmp_path
+):
+    images = tmp_path / "images"
+    images.mkdir()
+    for index in range(3):
+        _image(images / f"case{index}.nii.gz", (16, 16, 12), seed=index)
+    source = resolve_model(run_dir)
+    cases = resolve_images([str(images)])
+    calls = []
+
+    def failing_second(volume):
+        calls.append(volume.shape)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return pointwise(volume)
+
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        predict(PredictRequest(source, cases, out), engine=failing_second)
+    assert sorted(path.name for path in out.iterdir()) == ["case0.nii.gz", "predict.json"]
+    calls.clear()
+    predict(PredictRequest(source, cases, out), engine=pointwise_counting(calls))
+    assert len(calls) == 2  # case1 and case2 only
+    assert sorted(path.name for path in out.glob("*.nii.gz")) == [
+        "case0.nii.gz",
+        "case1.nii.gz",
+        "case2.nii.gz",
+    ]
+
+
+def pointwise_counting(calls):
+    def engine(volume):
+        calls.append(volume.shape)
+        return pointwise(volume)
+
+    return engine
+
+
+def test_the_plan_goes_to_tiles_when_the_whole_volume_does_not_fit_and_refuses_below_the_smallest():
+    config = load_config("study")
+    table = recorded_layer_table("unet_depth4_filters16_float32")
+    shape = (240, 240, 155)
+    whole = plan_volume(config, table, shape, 4, None)
+    assert whole.mode == "whole" and whole.padded == (240, 240, 160) == padded_shape(shape, 4)
+    # The live set of the study's forward pass: at least a full-resolution 16-filter tensor and its skip.
+    full_resolution = 240 * 240 * 160 * 16 * 4
+    assert 2 * full_resolution <= forward_live_bytes(table, whole.window) <= 6 * full_resolution
+    tiled = plan_volume(config, table, shape, 4, whole.peak_bytes - 1)
+    assert tiled.mode == "tiles" and tiled.peak_bytes < whole.peak_bytes
+    assert all(edge % 16 == 0 for edge in tiled.window)
+    with pytest.raises(DoesNotFit, match="even in tiles of 32x32x32"):
+        plan_volume(config, table, shape, 4, 2**20)
+
+
+def test_predict_says_when_not_even_a_tile_fits(run_dir, tmp_path, capsys):
+    image = _image(tmp_path / "one.nii.gz", (16, 16, 12))
+    code = main(
+        [
+            "predict",
+            "--model",
+            str(run_dir),
+            "--data",
+            str(image),
+            "--out",
+            str(tmp_path / "o"),
+            "--target",
+            "1MiB",
+        ]
+    )
+    assert code == 3
+    assert "even in tiles of 8x8x8" in capsys.readouterr().err
+    assert not list((tmp_path / "o").glob("*.nii.gz"))
+
+
+@pytest.mark.parametrize(
+    "breakage, message",
+    [
+        ("not_keras", "not a Keras model file"),
+        ("no_checkpoint", "a folder without checkpoints/best.keras or last.keras"),
+        ("channels", "the model reads 1 channel(s) and predicts 1 class(es), but"),
+        ("too_few_channels", "has 1 channel(s), too few for the model's data.channels [1]"),
+        ("out_not_writable", "--out"),
+        ("no_images", "a folder without .nii or .nii.gz images"),
+        ("same_name", "two images are named a"),
+        ("tile", "--tile 8,8: give three positive edges"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_the_model_loads(
+    run_dir, tmp_path, capsys, breakage, message
+):
+    model, images, out = str(run_dir), tmp_path / "images", tmp_path / "out"
+    images.mkdir()
+    _image(images / "a.nii.gz", (16, 16, 12))
+    extra = []
+    if breakage == "not_keras":
+        fake = tmp_path / "model.keras"
+        with zipfile.ZipFile(fake, "w") as archive:
+            archive.writestr("weights.txt", "not a model")
+        model, extra = str(fake), ["--config", str(run_dir / "config.yaml")]
+    elif breakage == "no_checkpoint":
+        (tmp_path / "run").mkdir()
+        model = str(tmp_path / "run")
+    elif breakage == "channels":
+        # A config of another job: four classes, where the model predicts one.
+        config = tmp_path / "four.yaml"
+        job = {
+            "model": {**JOB["model"], "output_classes": 4},
+            "data": {**JOB["data"], "label_mode": "multiclass"},
+        }
+        config.write_text(yaml.safe_dump(job))
+        model, extra = str(run_dir / "checkpoints" / "best.keras"), ["--config", str(config)]
+    elif breakage == "too_few_channels":
+        (images / "a.nii.gz").unlink()
+        _image(images / "b.nii.gz", (16, 16, 12), channels=1)
+    elif breakage == "out_not_writable":
+        out.write_text("a file, not a folder")
+        out = out / "masks"
+    elif breakage == "no_images":
+        (images / "a.nii.gz").unlink()
+    elif breakage == "same_name":
+        other = tmp_path / "other"
+        other.mkdir()
+        _image(other / "a.nii", (16, 16, 12))
+        extra = ["--data", str(images), str(other)]
+    elif breakage == "tile":
+        extra = ["--tile", "8,8"]
+    arguments = ["predict", "--model", model, "--out", str(out)]
+    if "--data" not in extra:
+        arguments += ["--data", str(images)]
+    code = main(arguments + extra)
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.is_dir() or not list(out.glob("*.nii.gz"))
+
+
+def test_a_decathlon_folder_predicts_its_test_list(tmp_path):
+    (tmp_path / "imagesTs").mkdir()
+    _image(tmp_path / "imagesTs" / "BRATS_485.nii.gz", (8, 8, 8))
+    (tmp_path / "dataset.json").write_text(
+        json.dumps({"training": [], "test": ["./imagesTs/BRATS_485.nii.gz"]})
+    )
+    cases = resolve_images([str(tmp_path)])
+    assert [case.name for case in cases] == ["BRATS_485"] and cases[0].channels == 2
+    with pytest.raises(BadInput, match="lists no 'training' images"):
+        resolve_images([str(tmp_path)], subset="training")
+    assert isinstance(cases[0], ImageCase)
+
+
+def test_a_write_killed_halfway_leaves_no_mask_under_its_final_name(run_dir, tmp_path, monkeypatch):
+    import bigmem_train.infer.nifti as nifti
+
+    image = _image(tmp_path / "case.nii.gz", (16, 16, 12))
+    source, cases = resolve_model(run_dir), resolve_images([str(image)])
+    real_save = nifti.nib.save
+
+    def dies_halfway(img, path):
+        real_save(img, path)
+        with open(path, "r+b") as file:  # the file is half written when the process dies
+            file.truncate(file.seek(0, 2) // 2)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(nifti.nib, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        predict(PredictRequest(source, cases, tmp_path / "out"), engine=pointwise)
+    assert not (tmp_path / "out" / "case.nii.gz").exists()
+    monkeypatch.setattr(nifti.nib, "save", real_save)
+    predict(PredictRequest(source, cases, tmp_path / "out"), engine=pointwise)
+    assert nib.load(tmp_path / "out" / "case.nii.gz").shape == (16, 16, 12)
