@@ -275,3 +275,62 @@ def test_real_data_read_only_with_a_rendered_config(bigmem_image: str, tmp_path:
     assert (results / "real" / "split.json").is_file()
     # Nothing was synthesized: the job read the mounted dataset.
     assert not any(path.name.startswith("synthetic-") for path in results.iterdir())
+
+
+def test_predict_and_evaluate_in_the_hardened_container(
+    bigmem_image: str, default_run: tuple[subprocess.CompletedProcess[str], Path], tmp_path: Path
+) -> None:
+    """The trained model and the images mounted read-only, the masks written to a writable folder, exit
+    codes passing through `docker run`: 0 for a prediction, 2 for bad input, 3 when nothing fits."""
+    _, results = default_run
+    run_dir = only_run_dir(results)
+    dataset = next(path for path in results.iterdir() if (path / "dataset.json").exists())
+    out = results_folder(tmp_path / "masks")
+    mounts = ["-v", f"{run_dir}:/model:ro", "-v", f"{dataset}:/data:ro", "-v", f"{out}:/out"]
+    result = docker_run(
+        bigmem_image,
+        "predict",
+        "--model",
+        "/model",
+        "--data",
+        "/data/imagesTr",
+        "--out",
+        "/out",
+        options=mounts,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    images = sorted(path.name for path in (dataset / "imagesTr").iterdir())
+    assert sorted(path.name for path in out.glob("*.nii.gz")) == images
+    assert all(path.stat().st_uid == UID for path in out.iterdir())
+    evaluated = docker_run(
+        bigmem_image, "evaluate", "--pred", "/out", "--labels", "/data/labelsTr", options=mounts
+    )
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    summary = json.loads((out / "evaluation.json").read_text())["summary"]["foreground"]
+    assert summary["cases"] == len(images) and summary["mean_dice"] > 0.5
+    bad = docker_run(
+        bigmem_image,
+        "predict",
+        "--model",
+        "/data/dataset.json",
+        "--data",
+        "/data/imagesTr",
+        "--out",
+        "/out",
+        options=mounts,
+    )
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    tiny = docker_run(
+        bigmem_image,
+        "predict",
+        "--model",
+        "/model",
+        "--data",
+        "/data/imagesTr",
+        "--out",
+        "/out/tiny",
+        "--target",
+        "1MiB",
+        options=mounts,
+    )
+    assert tiny.returncode == 3 and "even in tiles" in tiny.stderr, tiny.stderr

@@ -229,6 +229,7 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
             "window": list(plan.window),
             "tiles": plan.tiles,
             "planned_peak_bytes": plan.peak_bytes,
+            "plan": plan.to_dict(),
             "peak_rss_bytes": peak_rss_bytes(),
             "seconds": round(seconds, 3),
             "voxels_per_second": round(math.prod(case.shape) / seconds) if seconds > 0 else None,

@@ -29,8 +29,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # Fitted on whole predict processes (benchmarks/inference_memory.py): the process's resident memory before
 # the first volume (Python, TensorFlow, the model built twice: as saved and shape-free) and what the forward
 # pass holds per byte of the live set the walk counts.
-RUNTIME_BASELINE_BYTES = int(0.78 * 2**30)
-FORWARD_FACTOR = 1.45
+RUNTIME_BASELINE_BYTES = int(0.631 * 2**30)
+FORWARD_FACTOR = 1.70
 # Overlap of neighbouring tiles, as a fraction of the tile (nnU-Net's default step of half a tile).
 TILE_OVERLAP = 0.5
 
@@ -47,6 +47,8 @@ class InferencePlan:
     peak_bytes: int
     limit_bytes: int | None
     breakdown: dict[str, int] = field(default_factory=dict)
+    # The walk's live set before FORWARD_FACTOR: what the constants are fitted against.
+    forward_live_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,17 +172,20 @@ def _plan_window(
     tiles = 1
     if not whole:
         tiles = math.prod(len(tile_starts(full, edge)) for full, edge in zip(padded, window))
+    live = forward_live_bytes(table, window, config.model.batch_norm)
     breakdown = {
         # The image as read (float32, every channel up to the last wanted) and the normalized selection.
         "image": voxels * 4 * (image_channels + channels),
         # The padded input and the probabilities at the padded shape, then cropped and thresholded.
         "volumes": padded_voxels * 4 * (channels + classes) + voxels * (4 * classes + 1),
+        # What the engine copies in and out: the network's input and output tensors beside the numpy arrays.
+        "engine_copies": math.prod(window) * 4 * (channels + classes),
         # Tiles: the blending weights over the volume and the probability sum beside the output.
         "blending": 0 if whole else padded_voxels * 4 * (1 + classes),
         # Test-time mirroring: the sum of the mirrored predictions beside the one being made.
         "mirroring": padded_voxels * 4 * classes if tta else 0,
         "parameters": parameter_bytes(table),
-        "forward_pass": int(FORWARD_FACTOR * forward_live_bytes(table, window, config.model.batch_norm)),
+        "forward_pass": int(FORWARD_FACTOR * live),
         "runtime_baseline": RUNTIME_BASELINE_BYTES,
     }
     return InferencePlan(
@@ -192,4 +197,5 @@ def _plan_window(
         peak_bytes=sum(breakdown.values()),
         limit_bytes=limit_bytes,
         breakdown=breakdown,
+        forward_live_bytes=live,
     )
