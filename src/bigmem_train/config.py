@@ -125,15 +125,19 @@ class ModelConfig(_Section):
 class TrainingConfig(_Section):
     """Optimisation."""
 
+    # Samples per training step (the study: 16); a multi-worker job's global batch, split across its workers.
     batch_size: int = Field(16, ge=1, le=MAX_BATCH_SIZE)
+    # Passes of steps_per_epoch steps; a killed run resumes from its last finished epoch.
     epochs: int = Field(30, ge=1, le=100000)
     # Steps per epoch; null = one pass over the training cases.
     steps_per_epoch: int | None = Field(None, ge=1)
     # Validation steps per epoch; null = one pass over the validation cases.
     validation_steps: int | None = Field(None, ge=1)
+    # Adam's learning rate.
     learning_rate: float = Field(1e-3, gt=0.0, le=1.0)
     # Loss = dice_weight * -log(soft Dice) + (1 - dice_weight) * BCE (the study: 0.7).
     dice_weight: float = Field(0.7, ge=0.0, le=1.0)
+    # Seed of the initial weights and of the training order, crops and flips.
     seed: int = 0
     # "single": one process; "multi_worker": tf.distribute.MultiWorkerMirroredStrategy from TF_CONFIG.
     strategy: Literal["single", "multi_worker"] = "single"
