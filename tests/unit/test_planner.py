@@ -235,6 +235,10 @@ def test_target_beyond_the_host_does_not_fit(tables):
         plan_job(study(**{"footprint.target": "100TiB"}), eight, CALIBRATION)
     assert refused.value.exit_code == EXIT_DOES_NOT_FIT
     assert f"at most {usable} B" in str(refused.value)
+    # `bigmem-train plan` may plan the job for a larger host: sized to the target, said not to fit here.
+    config = study(**{"footprint.target": "1TiB", "footprint.resize": "batch"})
+    plan = plan_job(config, eight, CALIBRATION, to_run_here=False)
+    assert plan.peak_bytes > usable and plan.config.training.batch_size > 16
 
 
 def test_suggested_targets_fit_the_host(tables):

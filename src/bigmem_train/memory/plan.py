@@ -107,13 +107,25 @@ class JobPlan:
         }
 
 
-def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | None = None) -> JobPlan:
-    """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement."""
+def plan_job(
+    config: Config,
+    host: HostFacts | None,
+    calibration: Calibration | None = None,
+    *,
+    to_run_here: bool = True,
+) -> JobPlan:
+    """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement.
+
+    ``to_run_here``: the job is to run on ``host`` (run, train, preflight), so a target the host cannot give
+    does not fit (exit 3) and the targets a refusal suggests stop at what the host leaves the job. False for
+    ``bigmem-train plan``, which may plan a job for a larger host and says whether it fits this one.
+    """
     calibration = calibration or constants.load_calibration()
     table = layers.layer_table(config)
     target = resolve_target(config, host)
-    if target is not None and host is not None:
-        _refuse_target_beyond_host(config, host, target)
+    bound = host if to_run_here else None
+    if target is not None and bound is not None:
+        _refuse_target_beyond_host(config, bound, target)
     # A multi-worker job is planned per host: each worker holds a whole replica and computes
     # batch_size / workers samples; the target is per host too.
     workers = planned_workers(config)
@@ -139,7 +151,7 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         # Sizing fell back to the smallest job it may make, and even that misses the target: a run
         # would train and then fail its footprint check, so the target is refused before any work.
         shape = "x".join(map(str, sized.data.input_shape))
-        usable = _host_limit(config, host)
+        usable = _host_limit(config, bound)
         if usable is not None and peak > usable:
             # Suggesting "at least" that would suggest a target the host cannot hold.
             raise DoesNotFit(
@@ -158,7 +170,7 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         # tolerance (a batch step of the study's tile is ~10 GiB): the run would train and then fail its
         # footprint check, so this is refused too, naming the jobs on either side of the target. (A job a
         # lever kept is not resized: there the target is the ceiling it must stay under.)
-        raise BadInput(_unreachable_target(config, sized, table, calibration, workers, peak, target, host))
+        raise BadInput(_unreachable_target(config, sized, table, calibration, workers, peak, target, bound))
     if host is not None:
         placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
     else:
