@@ -85,7 +85,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # A job judged on its worse run meets "at most 4 % under, at most 5 % over" under one plan P only if its
-# runs a <= b satisfy b x 0.96 <= P <= a x 1.05, i.e. b / a <= 1.05 / 0.96 (docs/planner.md, Accuracy,
+# runs a <= b satisfy b x 0.96 <= P <= a x 1.05, i.e. b / a <= 1.05 / 0.96 (docs/design/planner.md, Accuracy,
 # "What the targets ask of a job whose runs part").
 SPREAD_LIMIT = 1.05 / 0.96
 

@@ -49,7 +49,7 @@ class JobPlan:
         What a process maps of its libraries moves with the page cache, not with the job: the same small
         job's first sample held 436 MiB of file-backed RSS on a fresh install, 388-395 MiB half an hour
         later and 324-326 MiB after the page cache was dropped, ~0.1 GiB that is a tenth of a small job
-        (docs/planner.md, Accuracy).
+        (docs/design/planner.md, Accuracy).
         Only that part is traded; every job-dependent term stays predicted. Without a calibrated figure the
         plan keeps its baseline and records the measurement."""
         if measured <= 0:
