@@ -916,3 +916,14 @@ def test_a_whole_run_validates_one_case_or_as_many_as_asked(tmp_path):
         train, validation = split_cases(cases, run.data.validation_fraction, run.data.split_seed)
         assert (len(train), len(validation)) == (3, validation_cases)
         assert (run.training.epochs, run.training.steps_per_epoch) == (2, 2)
+
+
+def test_run_with_a_target_beyond_the_host_exits_3_before_writing(tmp_path, capsys):
+    """`bigmem-train run --target 100TiB` on an ordinary host: exit 3 naming its usable memory, in a second,
+    with no run written (it was exit 2 suggesting "a target between 121.82 and 148.89 GiB")."""
+    from bigmem_train.cli import main
+
+    assert main(["run", "--target", "100TiB", "--results", str(tmp_path / "results")]) == EXIT_DOES_NOT_FIT
+    error = capsys.readouterr().err
+    assert "does not fit this host" in error and "usable" in error and "between" not in error
+    assert not any((tmp_path / "results").glob("*"))  # no run directory, no synthetic dataset
