@@ -1,6 +1,6 @@
 """Peak and step time of whole runs under different allocators and transparent-huge-page modes.
 
-The planner's worst misses (docs/planner.md, "The recomputed jobs' spread") are runs of the same job whose
+The planner's worst misses (docs/design/planner.md, "The recomputed jobs' spread") are runs of the same job whose
 peaks part by up to a fifth: tcmalloc's page heap reusing freed spans differently from run to run. The
 allocators that do not strand spans (jemalloc's defaults, tcmalloc's aggressive decommit) page-fault every
 large tensor afresh and cost about 2x the step with 4 KiB pages. With transparent huge pages a fault maps
@@ -8,7 +8,7 @@ large tensor afresh and cost about 2x the step with 4 KiB pages. With transparen
 (``bigmem_os_tuning_thp_enabled``), so this measures both the runs as a provisioned host sees them and the
 allocators that might end the spread there. Further variants fix who allocates beside the step (the reader's
 threads, the kernels' worker threads, Python's cyclic collector) or where the heap's memory comes from
-(address-space randomisation, sbrk) one by one and together, to find what parts the runs (docs/planner.md,
+(address-space randomisation, sbrk) one by one and together, to find what parts the runs (docs/design/planner.md,
 "What parts the runs").
 
 Each variant runs the job as the planner's sweep does (``measure_run``: `bigmem-train train`, two epochs of

@@ -404,9 +404,7 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=1))
     if any(key.startswith("layers-") for key in report):
-        plot_layers(
-            report, args.out.with_name(args.out.stem.replace("onednn_cliff", "onednn_layers") + ".png")
-        )
+        plot_layers(report, args.out.with_name(args.out.stem + "-layers.png"))
     return 0
 
 

@@ -16,6 +16,9 @@ under-predicted by more than 4 %; reported per size band (< 2 GiB, 2 to 8 GiB, 8
     python benchmarks/planner_accuracy.py --max-gib 8           # only jobs predicted under 8 GiB
     python benchmarks/planner_accuracy.py --predict-only        # re-predict stored measurements
     python benchmarks/planner_accuracy.py --json results.json   # also write the table as JSON
+
+Measurements go to ``benchmarks/results/planner_accuracy-CPU.jsonl`` (CPU: ``host.cpu_isa``, e.g.
+``avx512+amx``), one file per class of CPU, since the constants are fitted per class.
 """
 
 from __future__ import annotations
@@ -78,11 +81,11 @@ SWEEP: list[dict] = [
     {"shape": (176, 176, 128), "batch": 3, "filters": 16, "depth": 4, "channels": 4},
 ]
 BANDS = [("< 2 GiB", 0, 2 * GIB), ("2 to 8 GiB", 2 * GIB, 8 * GIB), ("8 to 20 GiB", 8 * GIB, 21 * GIB)]
-DEFAULT_RESULTS = Path(__file__).resolve().parent / "planner_accuracy.whole_runs.jsonl"
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 # A job judged on its worse run meets "at most 4 % under, at most 5 % over" under one plan P only if its
-# runs a <= b satisfy b x 0.96 <= P <= a x 1.05, i.e. b / a <= 1.05 / 0.96 (docs/planner.md, Accuracy,
+# runs a <= b satisfy b x 0.96 <= P <= a x 1.05, i.e. b / a <= 1.05 / 0.96 (docs/design/planner.md, Accuracy,
 # "What the targets ask of a job whose runs part").
 SPREAD_LIMIT = 1.05 / 0.96
 
@@ -261,7 +264,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="measurements (JSON lines)")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="measurements (JSON lines); default results/planner_accuracy-CPU.jsonl for this CPU's class",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="runs per job (judged on the worse)")
     parser.add_argument("--max-gib", type=float, default=20.0, help="skip jobs predicted above this")
     parser.add_argument(
@@ -270,6 +278,7 @@ def main() -> int:
     parser.add_argument("--predict-only", action="store_true", help="only re-predict stored measurements")
     parser.add_argument("--json", type=Path, help="also write the table and summary here")
     args = parser.parse_args()
+    args.results = args.results or RESULTS / f"planner_accuracy-{cpu_kind()}.jsonl"
     calibration_jobs = {
         describe({**job, "shape": list(job["shape"])}) for job in CALIBRATION_JOBS + MIXED_CALIBRATION_JOBS
     }

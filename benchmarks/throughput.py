@@ -831,7 +831,7 @@ def _fmt(summary: dict, scale: float = 1.0, digits: int = 2) -> str:
 
 
 def markdown_tables(report: dict) -> str:
-    """The tables of docs/performance.md: median (min-max) over repetitions."""
+    """The tables of docs/design/performance.md: median (min-max) over repetitions."""
     lines = []
     main_section = report.get("main")
     if main_section:

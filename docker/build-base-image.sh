@@ -30,7 +30,12 @@ if [ "$force" -eq 0 ] && docker image inspect "$tag" >/dev/null 2>&1; then
     echo "base image $tag exists (use --force to rebuild)"
     exit 0
 fi
-[ "$(id -u)" -eq 0 ] || { echo "build-base-image.sh: run as root (debootstrap needs it)" >&2; exit 2; }
+bootstrap=${BOOTSTRAP:-$(command -v mmdebstrap >/dev/null && echo mmdebstrap || echo debootstrap)}
+command -v "$bootstrap" >/dev/null || {
+    echo "build-base-image.sh: $bootstrap is not installed; bash scripts/setup.sh --ops installs mmdebstrap" >&2
+    exit 2
+}
+[ "$(id -u)" -eq 0 ] || { echo "build-base-image.sh: run as root ($bootstrap needs it)" >&2; exit 2; }
 
 workdir=$(mktemp -d /var/tmp/bigmem-base.XXXXXX)
 trap 'rm -rf "$workdir"' EXIT
@@ -39,7 +44,6 @@ tarball="$workdir/rootfs.tar"
 sources=("deb $mirror $suite main" "deb $mirror $suite-updates main")
 [ "$security" = none ] || sources+=("deb $security $suite-security main")
 
-bootstrap=${BOOTSTRAP:-$(command -v mmdebstrap >/dev/null && echo mmdebstrap || echo debootstrap)}
 start=$(date +%s)
 if [ "$bootstrap" = mmdebstrap ]; then
     # Leave out docs, man pages and locales (the image speaks C.UTF-8) and the apt lists.

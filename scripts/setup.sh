@@ -2,7 +2,8 @@
 # Set up bigmem-train on a Debian 12 machine (as root): system packages, then a virtual environment in
 # .venv with the kit. Idempotent: rerunning it installs only what is missing.
 #   bash scripts/setup.sh          the kit: train, plan, validate, report, render (what `bigmem-train run` needs)
-#   bash scripts/setup.sh --ops    the kit plus the operator's tools: Ansible, Fabric, the Docker engine
+#   bash scripts/setup.sh --ops    the kit plus the operator's tools: Ansible, Fabric, the Docker engine, mmdebstrap
+#                                  (docker/build-image.sh builds its Debian base with it where no registry answers)
 #   bash scripts/setup.sh --test   all of that plus the test suite's tools (pytest, linters, QEMU, sshd, ...)
 # Python packages the kit runs on come from docker/requirements.lock (hash-checked), the same versions the
 # image installs: a lab's host and its image run the same TensorFlow, and the planner's constants fit both.

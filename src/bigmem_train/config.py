@@ -125,15 +125,19 @@ class ModelConfig(_Section):
 class TrainingConfig(_Section):
     """Optimisation."""
 
+    # Samples per training step (the study: 16); a multi-worker job's global batch, split across its workers.
     batch_size: int = Field(16, ge=1, le=MAX_BATCH_SIZE)
+    # Passes of steps_per_epoch steps; a killed run resumes from its last finished epoch.
     epochs: int = Field(30, ge=1, le=100000)
     # Steps per epoch; null = one pass over the training cases.
     steps_per_epoch: int | None = Field(None, ge=1)
     # Validation steps per epoch; null = one pass over the validation cases.
     validation_steps: int | None = Field(None, ge=1)
+    # Adam's learning rate.
     learning_rate: float = Field(1e-3, gt=0.0, le=1.0)
     # Loss = dice_weight * -log(soft Dice) + (1 - dice_weight) * BCE (the study: 0.7).
     dice_weight: float = Field(0.7, ge=0.0, le=1.0)
+    # Seed of the initial weights and of the training order, crops and flips.
     seed: int = 0
     # "single": one process; "multi_worker": tf.distribute.MultiWorkerMirroredStrategy from TF_CONFIG.
     strategy: Literal["single", "multi_worker"] = "single"
@@ -162,37 +166,37 @@ class RuntimeConfig(_Section):
     # Ops run side by side; null = chosen for the host. Not used while inline_ops runs the ops.
     inter_op_threads: int | None = Field(None, ge=1, le=64)
     # TensorFlow's inter-op parallelism -1 ("run the ops in the calling thread"; under TensorFlow 2.21's
-    # function executor two threads still run ops, partly side by side: docs/planner.md, Accuracy). With an
+    # function executor two threads still run ops, partly side by side: docs/design/planner.md, Accuracy). With an
     # inter-op pool the study's tile peaked at 10.20, 10.26 and 11.66 GiB in three runs of one config, and
-    # at 10.64 GiB (+-0.05 %) in three runs with this, at the same step time (docs/planner.md). A
+    # at 10.64 GiB (+-0.05 %) in three runs with this, at the same step time (docs/design/planner.md). A
     # multi-worker job keeps the pool (its collective ops need it).
     inline_ops: bool = True
     # "float32" or Keras mixed precision "mixed_bfloat16".
     precision: Literal["float32", "mixed_bfloat16"] = "float32"
     # Memory allocator preloaded by the container entrypoint and the CLI's launcher (LD_PRELOAD).
-    # tcmalloc: fastest and lowest peak of the three here (docs/performance.md).
+    # tcmalloc: fastest and lowest peak of the three here (docs/design/performance.md).
     allocator: Literal["glibc", "jemalloc", "tcmalloc"] = "tcmalloc"
     # Where TensorFlow's oneDNN build puts tensors (TF_ONEDNN_USE_SYSTEM_ALLOCATOR): "system" hands each
     # tensor to the allocator above; "bfc" is TensorFlow's default, a best-fit pool that keeps every
     # region it ever grew. At the study's scale the pool fragments: a 224x224x144 batch-3 job planned at
     # 19.6 GiB grew from 17.2 GiB in its first step to over 23 GiB in the next ones (OOM-killed in 4 of 6
-    # runs); with "system" the same job held 17.9 GiB (docs/planner.md).
+    # runs); with "system" the same job held 17.9 GiB (docs/design/planner.md).
     tensor_allocator: Literal["system", "bfc"] = "system"
     # Hand the allocator's free pages back to the kernel at the end of every epoch (release.py). Opt-in: it
     # kept the study's tile at batch 3 from growing by one full-size tensor after its second validation
     # (20.40 -> 19.68 GiB over 8 epochs), but the sweep's jobs of 2-12 GiB peaked 3-9 % higher with it in
-    # their second epoch, and it costs re-faulting the heap once an epoch (docs/planner.md).
+    # their second epoch, and it costs re-faulting the heap once an epoch (docs/design/planner.md).
     release_between_epochs: bool = False
     # Hold the run to its plan (heap_limit.py): "plan" caps tcmalloc's heap so that the process stays under the
     # planned peak plus footprint.tolerance, handing freed pages back before the heap grows past it (no
     # stranding tail of up to a sixth over the usual peak, for a few percent of the step while at the cap); a
     # size ("64GiB", "80%" of the host) caps it there. Opt-in: a job whose tensors really need more fails at
     # the allocation that does not fit, cleanly (exit 3) when TensorFlow's tensor is the one refused, with a
-    # segmentation fault when a kernel's own scratch memory is (docs/planner.md).
+    # segmentation fault when a kernel's own scratch memory is (docs/design/planner.md).
     heap_limit: str = "off"
     # Python's cyclic garbage collector: "auto" (Python's own, whenever allocations pass its threshold, from
     # whichever thread) or "step": off during training, run at the end of every step and epoch, so what it
-    # frees goes back at the same point of every run (collect.py; docs/planner.md, "What parts the runs").
+    # frees goes back at the same point of every run (collect.py; docs/design/planner.md, "What parts the runs").
     python_gc: Literal["auto", "step"] = "auto"
 
     @field_validator("heap_limit", mode="before")
@@ -208,7 +212,7 @@ class RuntimeConfig(_Section):
 
     # oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported). Stock TensorFlow only
     # turns them on for CPUs with AVX512_VNNI/BF16 or AMX; on AVX2 it runs Eigen's convolutions, about
-    # 3-4x slower for this model (docs/performance.md), so bigmem-train asks for them explicitly.
+    # 3-4x slower for this model (docs/design/performance.md), so bigmem-train asks for them explicitly.
     onednn: bool = True
     # NUMA placement: "auto" binds to one node when the job fits it, else interleaves.
     numa_policy: Literal["auto", "bind", "interleave", "none"] = "auto"

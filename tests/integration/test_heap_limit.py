@@ -1,7 +1,7 @@
 """runtime.heap_limit for real: a whole run held to its plan sets tcmalloc's limit from the plan, the
 tolerance and what the process maps outside the heap, says so, records it, and stays under its cap.
 (Held below what a job needs, a run fails at an allocation, cleanly or not depending on which allocation
-is refused; docs/planner.md. tests/unit/test_heap_limit.py shows the allocator's side on its own.)"""
+is refused; docs/design/planner.md. tests/unit/test_heap_limit.py shows the allocator's side on its own.)"""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ training:
   validation_steps: 1
 footprint:
   resize: shape
-  # The planner's whole-run error at this size is -5..+8 % on this CPU (docs/planner.md, Accuracy) and one
+  # The planner's whole-run error at this size is -5..+8 % on this CPU (docs/design/planner.md, Accuracy) and one
   # job varies by up to 6 % between runs: 10 % left no room for both; 15 % still fails a planner that is off.
   tolerance: 0.15
 validation:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from bigmem_train.config import Config
 from bigmem_train.data.pipeline import bad_input_from, make_datasets
 from bigmem_train.data.prepare import prepare_case
-from bigmem_train.data.reader import Case, check_dataset, read_index
+from bigmem_train.data.reader import Case, check_dataset, check_dataset_folder, read_index
 from bigmem_train.data.split import check_foreground, split_cases, training_split
 from bigmem_train.errors import BadInput
 from tests.unit.nifti_fixtures import phantom, save_nifti, small_config, write_dataset
@@ -29,6 +29,18 @@ def one_case(tmp_path, image, label, **save_options) -> Case:
 
 
 # --- index and checks ---------------------------------------------------------------------------
+
+
+def test_data_path_naming_a_file_says_it_is_not_a_folder(dataset):
+    """data.path pointing at dataset.json (or any file) exists: saying it "does not exist" misleads."""
+    index = dataset / "dataset.json"
+    with pytest.raises(BadInput, match=r"is a file, not a folder") as refused:
+        check_dataset_folder(small_config(index))
+    assert "does not exist" not in str(refused.value)
+    with pytest.raises(BadInput, match=r"is a file, not a folder"):
+        read_index(index)
+    with pytest.raises(BadInput, match=r"does not exist"):
+        check_dataset_folder(small_config(dataset / "missing"))
 
 
 def test_read_index_and_check_dataset(dataset):

@@ -1,4 +1,4 @@
-"""The winning performance settings (docs/performance.md) stay wired as the defaults; not the speed."""
+"""The winning performance settings (docs/design/performance.md) stay wired as the defaults; not the speed."""
 
 import sys
 from pathlib import Path

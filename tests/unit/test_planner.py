@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bigmem_train.config import load_config
-from bigmem_train.errors import BadInput
+from bigmem_train.errors import EXIT_DOES_NOT_FIT, BadInput, DoesNotFit
 from bigmem_train.host import cpu_isa, read_host_facts, this_cpu_flags
 from bigmem_train.memory import calibrate, constants, estimate, layers, sizing
 from bigmem_train.memory.constants import Calibration
@@ -224,6 +224,44 @@ def test_target_between_two_batches_is_refused_as_bad_input(tables):
         CALIBRATION,
     )
     assert plan.config.training.batch_size == 1
+
+
+def test_target_beyond_the_host_does_not_fit(tables):
+    """A target far past the host (100TiB on an 8 GiB cgroup) is a job that does not fit (exit 3), said with
+    the host's usable memory, not bad input suggesting a range of targets the host cannot hold."""
+    eight = host("one_node_cgroup2")
+    usable = int(eight.effective_memory_bytes * 0.9)
+    with pytest.raises(DoesNotFit, match=r"footprint.target .* does not fit this host: .* usable") as refused:
+        plan_job(study(**{"footprint.target": "100TiB"}), eight, CALIBRATION)
+    assert refused.value.exit_code == EXIT_DOES_NOT_FIT
+    assert f"at most {usable} B" in str(refused.value)
+    # `bigmem-train plan` may plan the job for a larger host: sized to the target, said not to fit here.
+    config = study(**{"footprint.target": "1TiB", "footprint.resize": "batch"})
+    plan = plan_job(config, eight, CALIBRATION, to_run_here=False)
+    assert plan.peak_bytes > usable and plan.config.training.batch_size > 16
+
+
+def test_suggested_targets_fit_the_host(tables):
+    """A target between two batches is refused with a range of targets; its top stops at what the host
+    leaves the job (batch 1 is 95 % of it here, so batch 1 / 0.9 would be past the host)."""
+    one = plan_job(study(**{"training.batch_size": 1}), None, CALIBRATION).peak_bytes
+    usable = int(one / 0.95)
+    small = dataclasses.replace(host("one_node_cgroup2"), cgroup_limit_bytes=int(usable / 0.9) + 1)
+    assert small.effective_memory_bytes == small.cgroup_limit_bytes
+    target = f"{int(usable / 0.905)}B"
+    with pytest.raises(BadInput, match="cannot be reached") as refused:
+        plan_job(study(**{"footprint.target": target, "footprint.resize": "batch"}), small, CALIBRATION)
+    highest = float(str(refused.value).split(" and ")[-1].split(" GiB")[0])
+    assert highest <= round(usable / GIB, 2) < one / 0.9 / GIB
+
+
+def test_smallest_job_past_the_host_does_not_fit(tables):
+    """A target below the smallest job, on a host that cannot hold even that job, is not answered with
+    "set a target of at least" the smallest job's peak: that target would not fit either."""
+    one = plan_job(study(**{"training.batch_size": 1}), None, CALIBRATION).peak_bytes
+    small = dataclasses.replace(host("one_node_cgroup2"), cgroup_limit_bytes=int(one / 2))
+    with pytest.raises(DoesNotFit, match="more than the .* this host leaves it"):
+        plan_job(study(**{"footprint.target": "1GiB", "footprint.resize": "batch"}), small, CALIBRATION)
 
 
 def test_plan_to_dict_has_bytes_and_gib(tables):
@@ -878,3 +916,14 @@ def test_a_whole_run_validates_one_case_or_as_many_as_asked(tmp_path):
         train, validation = split_cases(cases, run.data.validation_fraction, run.data.split_seed)
         assert (len(train), len(validation)) == (3, validation_cases)
         assert (run.training.epochs, run.training.steps_per_epoch) == (2, 2)
+
+
+def test_run_with_a_target_beyond_the_host_exits_3_before_writing(tmp_path, capsys):
+    """`bigmem-train run --target 100TiB` on an ordinary host: exit 3 naming its usable memory, in a second,
+    with no run written (it was exit 2 suggesting "a target between 121.82 and 148.89 GiB")."""
+    from bigmem_train.cli import main
+
+    assert main(["run", "--target", "100TiB", "--results", str(tmp_path / "results")]) == EXIT_DOES_NOT_FIT
+    error = capsys.readouterr().err
+    assert "does not fit this host" in error and "usable" in error and "between" not in error
+    assert not any((tmp_path / "results").glob("*"))  # no run directory, no synthetic dataset

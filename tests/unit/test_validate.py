@@ -1,6 +1,7 @@
 """Verdict logic on hand-made run directories: each criterion can fail on its own."""
 
 import json
+import re
 
 import pytest
 
@@ -175,6 +176,29 @@ def test_report_writes_html_and_plots(tmp_path):
     assert "PASS" in text and "training.png" in text and "memory.png" in text
     assert (run_dir / "training.png").stat().st_size > 1000
     assert (run_dir / "memory.png").stat().st_size > 1000
+
+
+def test_report_rounds_figures_for_a_person(tmp_path):
+    """report.html printed metrics.json's floats as they were ("1.4693821668624878 s", "1344175.0")."""
+    run_dir = make_run(tmp_path, GOOD)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    metrics.update(
+        median_step_seconds=1.4693821668624878,
+        voxels_per_second=1344175.0,
+        initial_loss=1.2345678901,
+        final_loss=0.0987654321,
+        best_val_dice=0.87654321,
+        best_val_hard_dice=0.912345678,
+    )
+    (run_dir / "metrics.json").write_text(json.dumps(metrics))
+    validate_run(run_dir)
+    text = write_report(run_dir).read_text()
+    assert "<th>Median step time</th><td>1.47 s</td>" in text
+    assert "<th>Voxels per second</th><td>1.34 M</td>" in text
+    assert "<td>1.2346 -&gt; 0.0988</td>" in text
+    assert "<td>0.877 / 0.912</td>" in text
+    assert not re.search(r"\d\.\d{6,}", text), re.findall(r"[\d.]*\d\.\d{6,}", text)
+    assert "1344175.0" not in text
 
 
 def test_report_says_what_the_run_was_held_to(tmp_path):

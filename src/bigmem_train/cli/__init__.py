@@ -89,14 +89,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Re-check a finished run directory from its files alone: loss fell, "
         "validation Dice reached the floor, no NaN, peak memory within tolerance of the target.",
     )
-    validate.add_argument("run_dir", metavar="RUN_DIR")
+    validate.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (results/run-...)")
 
     report = sub.add_parser(
         "report",
         help="write an HTML report with plots for a run",
         description="Write RUN_DIR/report.html with PNG plots: memory over time, loss and Dice per epoch.",
     )
-    report.add_argument("run_dir", metavar="RUN_DIR")
+    report.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (results/run-...)")
 
     synth = sub.add_parser(
         "synth",

@@ -38,7 +38,7 @@ def plan_command(config: Config, as_json: bool, calibrate_first: bool) -> int:
         if not as_json:
             print(f"calibration stored: {path}")
     host = read_host_facts()
-    plan = plan_job(config, host)
+    plan = plan_job(config, host, to_run_here=False)  # may plan for a larger host; says whether it fits here
     usable = usable_bytes(plan, host)
     levers = []
     if plan.peak_bytes > usable:

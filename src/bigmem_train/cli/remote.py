@@ -17,7 +17,7 @@ DEFAULT_INVENTORY_ENV = "BIGMEM_TRAIN_INVENTORY"
 
 EPILOG = (
     "Exit codes: 0 done, 2 bad input (unknown host or group, no such job, bad config or name), "
-    "4 the host is unreachable or refuses the login. See docs/remote.md."
+    "4 the host is unreachable or refuses the login. See docs/guides/remote-and-scale-out.md."
 )
 
 

@@ -128,8 +128,10 @@ def _placement(
 def read_index(dataset_dir: Path) -> list[Case]:
     """Parse ``dataset.json``'s ``training`` list; check the files exist and read each image header."""
     dataset_dir = Path(dataset_dir)
+    if dataset_dir.exists() and not dataset_dir.is_dir():
+        raise BadInput(f"dataset folder {dataset_dir} is a file, not a folder")
     if not dataset_dir.is_dir():
-        raise BadInput(f"dataset folder {dataset_dir} does not exist or is not a folder")
+        raise BadInput(f"dataset folder {dataset_dir} does not exist")
     index_path = dataset_dir / "dataset.json"
     if not index_path.is_file():
         raise BadInput(f"{index_path}: missing; a Decathlon dataset folder holds dataset.json")
@@ -331,6 +333,11 @@ def check_dataset_folder(config: Config) -> None:
     if config.data.source != "decathlon":
         return
     folder = Path(config.data.path)
+    if folder.exists() and not folder.is_dir():
+        raise BadInput(
+            f"data.path {config.data.path} is a file, not a folder: name the Decathlon folder that holds "
+            f"dataset.json"
+        )
     if not folder.is_dir():
         raise BadInput(f"dataset folder {config.data.path} does not exist")
     if not (folder / "dataset.json").is_file():

@@ -9,7 +9,7 @@
 - :mod:`.plan`        :class:`JobPlan` and :func:`plan_job`, which puts the above together
 - :mod:`.preflight`   :func:`check_fits`: refuse a plan the host cannot hold (exit 3)
 
-``estimate.estimate(config)`` is a job's breakdown as configured. See docs/planner.md for the model
+``estimate.estimate(config)`` is a job's breakdown as configured. See docs/design/planner.md for the model
 and its accuracy.
 """
 

@@ -35,13 +35,13 @@ class Calibration:
     # The same for jobs with gradient recomputation (model.recompute), or None: as ``activation_factor``.
     # Fitted on recomputed calibration jobs: rebuilding each block during backward allocates and frees
     # full-size tensors again and again, and the allocator's page heap strands more of them than a plain
-    # run does (TensorFlow's own accounting vs RSS, docs/planner.md).
+    # run does (TensorFlow's own accounting vs RSS, docs/design/planner.md).
     recompute_factor: float | None = None
     # Under runtime.precision mixed_bfloat16, resident bytes per byte the walk counts, as a multiple of the
     # activation (or recompute) factor, or None: 1. Fitted on mixed-precision calibration jobs alone
     # (measured only where the CPU computes bfloat16 natively): Keras runs batch normalization in float32 and
     # casts around it, and oneDNN's bf16 kernels reorder and convert their operands, more than the walk's
-    # per-op rules count (docs/planner.md, Accuracy).
+    # per-op rules count (docs/design/planner.md, Accuracy).
     mixed_precision_factor: float | None = None
     # Column buffers of TensorFlow's own (Eigen) Conv3D backward kernels (runtime.onednn false), as a
     # multiple of the largest convolution's patch matrix for one sample (``workspace_reference_bytes``):
@@ -61,7 +61,7 @@ class Calibration:
     # The file-backed part of the baseline (TensorFlow's and Python's mapped libraries, resident in RSS): the
     # calibration runs' mean at their start, or None (files fitted before it was recorded). It is not the
     # job's: the same run maps 324 MiB in one page-cache state and 436 MiB in another (large folios map
-    # whole, docs/planner.md), so a run measures its own once TensorFlow and the model are loaded and its
+    # whole, docs/design/planner.md), so a run measures its own once TensorFlow and the model are loaded and its
     # plan trades this figure for it (``JobPlan.with_file_backed``).
     file_backed_bytes: int | None = None
     source: str = "built-in defaults (not calibrated)"

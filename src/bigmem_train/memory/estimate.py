@@ -452,7 +452,7 @@ def breakdown_for(
     activations = int(factor * kept)
     # The transient part of the peak: activation gradients (and a rebuilt block) alive with the kept
     # tensors at the backward peak; with TensorFlow's own Conv3D kernels their per-sample column buffer,
-    # under oneDNN the largest backward-weights scratchpad, held from its first use on (docs/planner.md).
+    # under oneDNN the largest backward-weights scratchpad, held from its first use on (docs/design/planner.md).
     column_buffers = scratchpad = 0
     if config.runtime.onednn:
         if onednn_uses_gemm_backward_weights():

@@ -21,7 +21,7 @@ from bigmem_train.memory.estimate import estimate
 from bigmem_train.memory.sizing import largest_batch, largest_shape, with_job_size
 
 # Step-time factors: the lever's step against the kit's default settings, same job, one process each, side
-# by side (benchmarks/throughput.py --sections levers; docs/performance.md, "Levers"), keyed by how the CPU
+# by side (benchmarks/throughput.py --sections levers; docs/design/performance.md, "Levers"), keyed by how the CPU
 # computes bfloat16 (bf16_kind); the study's tile (240x240x144 b1, 16 filters, depth 4; 1 warm-up + 2 steps)
 # decides, 96^3 (2 runs of 3 steps each) checks.
 # AMX: a 2-vCPU Xeon, quiet (load 0.6-1.9), 3 December 2026: defaults 10.31 s, mixed_bfloat16 5.84 s,

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from bigmem_train.config import Config
-from bigmem_train.errors import BadInput
+from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.host import HostFacts
 from bigmem_train.memory import constants, layers
 from bigmem_train.memory.constants import Calibration
@@ -49,7 +49,7 @@ class JobPlan:
         What a process maps of its libraries moves with the page cache, not with the job: the same small
         job's first sample held 436 MiB of file-backed RSS on a fresh install, 388-395 MiB half an hour
         later and 324-326 MiB after the page cache was dropped, ~0.1 GiB that is a tenth of a small job
-        (docs/planner.md, Accuracy).
+        (docs/design/planner.md, Accuracy).
         Only that part is traded; every job-dependent term stays predicted. Without a calibrated figure the
         plan keeps its baseline and records the measurement."""
         if measured <= 0:
@@ -107,11 +107,25 @@ class JobPlan:
         }
 
 
-def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | None = None) -> JobPlan:
-    """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement."""
+def plan_job(
+    config: Config,
+    host: HostFacts | None,
+    calibration: Calibration | None = None,
+    *,
+    to_run_here: bool = True,
+) -> JobPlan:
+    """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement.
+
+    ``to_run_here``: the job is to run on ``host`` (run, train, preflight), so a target the host cannot give
+    does not fit (exit 3) and the targets a refusal suggests stop at what the host leaves the job. False for
+    ``bigmem-train plan``, which may plan a job for a larger host and says whether it fits this one.
+    """
     calibration = calibration or constants.load_calibration()
     table = layers.layer_table(config)
     target = resolve_target(config, host)
+    bound = host if to_run_here else None
+    if target is not None and bound is not None:
+        _refuse_target_beyond_host(config, bound, target)
     # A multi-worker job is planned per host: each worker holds a whole replica and computes
     # batch_size / workers samples; the target is per host too.
     workers = planned_workers(config)
@@ -137,6 +151,15 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         # Sizing fell back to the smallest job it may make, and even that misses the target: a run
         # would train and then fail its footprint check, so the target is refused before any work.
         shape = "x".join(map(str, sized.data.input_shape))
+        usable = _host_limit(config, bound)
+        if usable is not None and peak > usable:
+            # Suggesting "at least" that would suggest a target the host cannot hold.
+            raise DoesNotFit(
+                f"footprint.target {format_bytes(target)} is below the smallest job this config can be sized "
+                f"to (resize: {config.footprint.resize}): input {shape}, batch {sized.training.batch_size} is "
+                f"predicted at {format_bytes(peak)}, more than the {format_bytes(usable)} this host leaves it; "
+                f"let more change (footprint.resize, model.recompute, runtime.precision)"
+            )
         raise BadInput(
             f"footprint.target {format_bytes(target)} is below the smallest job this config can be sized to "
             f"(resize: {config.footprint.resize}): input {shape}, batch {sized.training.batch_size} is predicted "
@@ -147,7 +170,7 @@ def plan_job(config: Config, host: HostFacts | None, calibration: Calibration | 
         # tolerance (a batch step of the study's tile is ~10 GiB): the run would train and then fail its
         # footprint check, so this is refused too, naming the jobs on either side of the target. (A job a
         # lever kept is not resized: there the target is the ceiling it must stay under.)
-        raise BadInput(_unreachable_target(config, sized, table, calibration, workers, peak, target))
+        raise BadInput(_unreachable_target(config, sized, table, calibration, workers, peak, target, bound))
     if host is not None:
         placement = decide_placement(peak, host, config.runtime.numa_policy, config.footprint.safety_margin)
     else:
@@ -173,8 +196,22 @@ def _short_of(peak: int, target: int, config: Config) -> bool:
     return peak < target * (1 - config.footprint.tolerance)
 
 
-def _unreachable_target(config, sized, table, calibration, workers, peak, target) -> str:
-    """The one-line refusal of a target that sizing cannot come within the tolerance of."""
+def _refuse_target_beyond_host(config: Config, host: HostFacts, target: int) -> None:
+    """Raise :class:`DoesNotFit` for a target no job sized to it can fit on ``host``: even a job at the
+    low end of the tolerance (target less footprint.tolerance) is above the memory the host leaves it."""
+    usable = _host_limit(config, host)
+    if target * (1 - config.footprint.tolerance) <= usable:
+        return
+    raise DoesNotFit(
+        f"footprint.target {format_bytes(target)} does not fit this host: {format_bytes(usable)} usable "
+        f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the "
+        f"{config.footprint.safety_margin:.0%} safety margin); set a target of at most {format_bytes(usable)}"
+    )
+
+
+def _unreachable_target(config, sized, table, calibration, workers, peak, target, host=None) -> str:
+    """The one-line refusal of a target that sizing cannot come within the tolerance of; the targets it
+    suggests stop at what the host leaves the job."""
     shape = tuple(sized.data.input_shape)
     batch = sized.training.batch_size // workers
     above = sum(breakdown_for(sized, table, calibration, batch + 1, shape).values())
@@ -183,12 +220,16 @@ def _unreachable_target(config, sized, table, calibration, workers, peak, target
     def in_gib(value: float) -> str:  # from the bytes, not from gib()'s 3 decimals (rounded twice)
         return f"{value / 2**30:.2f}"
 
+    highest = peak / (1 - tolerance)
+    usable = _host_limit(config, host)
+    if usable is not None:
+        highest = min(highest, usable)
     return (
         f"footprint.target {format_bytes(target)} cannot be reached within footprint.tolerance "
         f"{tolerance:.0%} (resize: {config.footprint.resize}): input {'x'.join(map(str, shape))} is predicted "
         f"at {in_gib(peak)} GiB with batch {batch} and {in_gib(above)} GiB with batch {batch + 1}"
         f"{' per worker' if workers > 1 else ''}; set a target between {in_gib(peak / (1 + tolerance))} and "
-        f"{in_gib(peak / (1 - tolerance))} GiB, or let more change (footprint.resize, model.recompute)"
+        f"{in_gib(highest)} GiB, or let more change (footprint.resize, model.recompute)"
     )
 
 

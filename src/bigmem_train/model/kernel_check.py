@@ -37,7 +37,7 @@ from bigmem_train.model.conv import (
 GEMM_FAMILY = "x64:gemm:jit"
 MARKER = "bigmem_probe"
 # A lower bound on how much slower oneDNN's ref:any filter gradient is than x64:gemm:jit on the same
-# layer (benchmarks/onednn_cliff.py --sections time, docs/performance.md): the study's up0_conv1 under
+# layer (benchmarks/onednn_cliff.py --sections time, docs/design/performance.md): the study's up0_conv1 under
 # ONEDNN_MAX_CPU_ISA=AVX2 had not finished after 268 s on ref:any; in chunks on gemm it took 38 s.
 REFERENCE_SLOWDOWN = 7
 

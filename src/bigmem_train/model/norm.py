@@ -3,7 +3,7 @@
 Keras 3 normalizes with separate ops: ``tf.nn.moments`` (a mean, a squared difference and a second mean)
 then ``tf.nn.batch_normalization`` (a multiply and an add), and its gradient is as many ops again, each a
 pass over a full-size tensor. At the U-Net's full-resolution layers these passes are a large part of the
-step that is not convolution (docs/performance.md). TensorFlow's ``FusedBatchNormV3`` computes the batch
+step that is not convolution (docs/design/performance.md). TensorFlow's ``FusedBatchNormV3`` computes the batch
 moments and the normalized output in one kernel (oneDNN's batch normalization where TensorFlow's oneDNN
 ops are on, channels-last 4-D and 5-D), and ``FusedBatchNormGradV3`` the three gradients in one more.
 

@@ -127,7 +127,7 @@ def require_cluster(environ: Mapping[str, str] | None = None) -> WorkerCluster:
     if cluster is None:
         raise BadInput(
             f"training.strategy multi_worker needs the {TF_CONFIG_ENV} environment variable "
-            f"(render it with templates/{TF_CONFIG_TEMPLATE}; see docs/remote.md)"
+            f"(render it with templates/{TF_CONFIG_TEMPLATE}; see docs/guides/remote-and-scale-out.md)"
         )
     return cluster
 

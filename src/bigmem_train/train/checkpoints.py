@@ -5,7 +5,7 @@ HDF5 writes into it, then copies it into the zip (``H5IOStore.close``: ``writest
 a model of P float32 parameters with Adam that is about 3 x P x 4 B staged, grown by reallocation, plus
 its copy, twice an epoch (last and best). Those buffers are freed again, but the allocator's heap keeps
 them, and where they lie decides how much of it the next training step can reuse: the same job's peak
-then varies from one process to the next. Measured (docs/planner.md, ``benchmarks/checkpoint_spread.py``):
+then varies from one process to the next. Measured (docs/design/planner.md, ``benchmarks/checkpoint_spread.py``):
 a 12.7 M-parameter job (64x48x48, batch 2, 24 filters, depth 4) peaked at 1.48-1.75 GiB in five runs with
 Keras' writer and at 1.34-1.37 GiB in five alternating runs with this one, at the same step time.
 

@@ -5,11 +5,11 @@ threshold, counted over every thread: the memory sampler's and the callbacks' al
 runs at a different point of the step in every run, and what it frees (arrays and tensors held in reference
 cycles) goes back to the allocator in a different order. With the reader on demand and one intra-op
 thread, the collector was what still parted a 176x176x128 batch-3 job's runs by 11 %; off as well, three
-runs agreed within 0.6 % (docs/planner.md, "What parts the runs"). This keeps it, at fixed points: the
+runs agreed within 0.6 % (docs/design/planner.md, "What parts the runs"). This keeps it, at fixed points: the
 objects alive when training starts (the model, TensorFlow's and Keras' own) are frozen out of later
 collections, automatic collection is off while ``fit`` runs, and a collection runs at the end of every
 training and validation step and every epoch. Opt-in: what it buys at the kit's default reader and threads
-is measured in docs/planner.md.
+is measured in docs/design/planner.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ past the planned peak plus ``footprint.tolerance``.
 
 tcmalloc keeps the pages a run frees mapped for reuse, and from run to run it fails to reuse some of them
 for a new full-size tensor and maps more: the same job peaks up to a sixth apart between runs
-(docs/planner.md, "Holding a run to its plan"; 240x240x144 b1 f8 with gradient recomputation: 3.87 to 4.48
+(docs/design/planner.md, "Holding a run to its plan"; 240x240x144 b1 f8 with gradient recomputation: 3.87 to 4.48
 GiB in three runs, 4.65 in the accuracy sweep). What the job really holds is lower and repeatable (3.27-3.33
 GiB with every freed span returned at once), but returning every span costs 1.7x the step. gperftools'
 heap limit (``TCMALLOC_HEAP_LIMIT_MB``) does it only when it matters: when the heap would grow past the

@@ -81,7 +81,7 @@ def runtime_environment(config: Config, environment: dict[str, str] | None = Non
 
 # TensorFlow's inter-op parallelism -1, documented as running the ops in the calling thread. Under TensorFlow
 # 2.21's function executor the ops of a training step still ran on two threads, partly side by side (profiler
-# trace, docs/planner.md, Accuracy); the setting is kept for what was measured with it: the study's tile
+# trace, docs/design/planner.md, Accuracy); the setting is kept for what was measured with it: the study's tile
 # peaked the same in three runs (10.637-10.642 GiB) where an inter-op pool gave 10.20-11.66 GiB.
 INLINE_OPS = -1
 
@@ -92,7 +92,7 @@ def choose_threads(config: Config, host: HostFacts, cpus: list[int] | None = Non
 
     The U-Net is a chain of large ops with little to overlap; every op uses all the intra-op threads.
     ``INLINE_OPS`` is the setting whose whole runs repeated best (its comment says what it does and does not
-    do); one inter-op thread runs the ops strictly one at a time but repeated no better (docs/planner.md).
+    do); one inter-op thread runs the ops strictly one at a time but repeated no better (docs/design/planner.md).
     """
     intra = config.runtime.intra_op_threads
     if intra is None:

@@ -7,7 +7,7 @@ for a full-size tensor, maps more: the study's tile at batch 3 (224x224x144) hel
 first two epochs and 20.37 GiB from the first step after the second validation on, one full-resolution
 batch tensor (1.29 GiB) more; released at every epoch's end, it held 19.62-19.67 GiB. Opt-in
 (``runtime.release_between_epochs``): it costs re-faulting the heap in the next epoch's first step, and the
-accuracy sweep's 2-12 GiB jobs peaked 3-9 % higher with it (docs/planner.md, "Between epochs").
+accuracy sweep's 2-12 GiB jobs peaked 3-9 % higher with it (docs/design/planner.md, "Between epochs").
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ def explain(
             "heap_limit",
             f"ended {how} {where} while held to {_gib(held['cap_bytes'])} ({held.get('source')}, "
             f"runtime.heap_limit; {planned}): most likely an allocation past the heap limit inside a kernel, "
-            "which ends the process (docs/planner.md); rerun with a looser runtime.heap_limit or 'off' to "
+            "which ends the process (docs/design/planner.md); rerun with a looser runtime.heap_limit or 'off' to "
             "resume from the last checkpoint",
             f"tcmalloc's heap limit {_gib(held['limit_bytes'])}; no OOM kill was counted",
         )

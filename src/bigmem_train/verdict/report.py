@@ -176,12 +176,15 @@ def write_report(run_dir: Path) -> Path:
         ),
         ("Planned peak", size(metrics.get("planned_peak_bytes"))),
         ("Target", size(metrics.get("target_bytes"))),
-        ("Median step time", f"{metrics.get('median_step_seconds')} s"),
-        ("Voxels per second", metrics.get("voxels_per_second")),
-        ("Loss (first -> last epoch)", f"{metrics.get('initial_loss')} -> {metrics.get('final_loss')}"),
+        ("Median step time", _rounded(metrics.get("median_step_seconds"), 2, " s")),
+        ("Voxels per second", _voxels_per_second(metrics.get("voxels_per_second"))),
+        (
+            "Loss (first -> last epoch)",
+            f"{_rounded(metrics.get('initial_loss'), 4)} -> {_rounded(metrics.get('final_loss'), 4)}",
+        ),
         (
             "Best validation Dice (soft / hard)",
-            f"{metrics.get('best_val_dice')} / {metrics.get('best_val_hard_dice')}",
+            f"{_rounded(metrics.get('best_val_dice'), 3)} / {_rounded(metrics.get('best_val_hard_dice'), 3)}",
         ),
         ("Held to (runtime.heap_limit)", _held_statement(metrics)),
         ("Transparent huge pages at peak", size(metrics.get("peak_anon_hugepages_bytes"))),
@@ -247,6 +250,20 @@ def _evaluation_section(run_dir: Path) -> str:
         "<code>bigmem-train predict</code> to each validation case at full size and scored by "
         f"<code>bigmem-train evaluate</code> (evaluation/).</p>{evaluation_tables(result)}{figure}"
     )
+
+
+def _rounded(value, digits: int, unit: str = "") -> str:
+    """A float for a person: ``digits`` decimals (1.4693821668624878 -> 1.47); "-" when not recorded."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return f"{value:,.{digits}f}{unit}"
+
+
+def _voxels_per_second(value) -> str:
+    """Voxels per second in millions with three significant figures (1344175.0 -> 1.34 M)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "-"
+    return f"{value / 1e6:.3g} M"
 
 
 def _held_statement(metrics: dict) -> str:
