@@ -1,0 +1,157 @@
+"""Inference speed and memory: the kit's whole `bigmem-train predict` of one case against the peer a user
+would write, plain Keras ``model.predict`` on the padded volume (oneDNN on in both).
+
+The study's whole volume: 240x240x155 with the Decathlon's 4 channels on disk, FLAIR read, padded to
+240x240x160, the study's U-Net (4 poolings, 16 filters, batch 1) with untrained weights (speed and memory
+do not depend on them). Every measurement is a fresh process; kit and peer alternate, ``--repeats`` each;
+the load average is recorded before each. The kit's time is its whole case (read, normalize, infer,
+write) from predict.json; the peer's is the ``model.predict`` call alone (its read and padding are not
+counted). Peak memory is each process's peak resident set.
+
+    python benchmarks/inference_speed.py --repeats 3     # ~4 min on 2 cores
+
+Writes benchmarks/results/inference_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "inference_speed.json"
+SHAPE = (240, 240, 155)
+PADDED = (240, 240, 160)
+
+SETUP = """
+import pathlib, numpy as np, nibabel as nib, yaml
+from bigmem_train.config import load_config
+from bigmem_train.model.unet import build_unet
+folder = pathlib.Path({folder!r})
+job = {{"data": {{"channels": [0]}}, "model": {{"depth": 4, "base_filters": 16}}}}
+(folder / "config.yaml").write_text(yaml.safe_dump(job))
+config = load_config(folder / "config.yaml")
+(folder / "checkpoints").mkdir()
+build_unet(config.model, (32, 32, 32), 1).save(folder / "checkpoints" / "best.keras")
+rng = np.random.default_rng(0)
+data = rng.integers(0, 1000, size=({shape}, 4), dtype=np.int16)
+data[:20], data[-20:] = 0, 0
+nib.save(nib.Nifti1Image(data, np.eye(4)), folder / "case.nii.gz")
+"""
+
+PEER = """
+import json, resource, time, numpy as np, nibabel as nib, keras
+import bigmem_train.model.unet  # the kit's layers, for loading its archive
+from bigmem_train.config import load_config
+from bigmem_train.model.unet import build_unet
+folder = {folder!r}
+config = load_config(folder + "/config.yaml")
+saved = keras.models.load_model(folder + "/checkpoints/best.keras", compile=False)
+model = build_unet(config.model, {padded}, 1)  # the model at the padded volume's shape, as a user builds it
+model.set_weights(saved.get_weights())
+image = np.asarray(nib.load(folder + "/case.nii.gz").dataobj[..., 0], dtype=np.float32)
+brain = image != 0
+image[brain] = (image[brain] - image[brain].mean()) / image[brain].std()
+volume = np.zeros((1, *{padded}, 1), np.float32)
+volume[0, :, :, 2:157, 0] = image
+start = time.perf_counter()
+probabilities = model.predict(volume, verbose=0)
+seconds = time.perf_counter() - start
+mask = (probabilities[0, :, :, 2:157, 0] >= 0.5).astype(np.uint8)
+np.save(folder + "/peer_mask.npy", mask)
+print(json.dumps({{"seconds": seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+"""
+
+
+def run_kit(folder: Path, index: int) -> dict:
+    out = folder / f"kit-{index}"
+    command = [
+        sys.executable,
+        "-m",
+        "bigmem_train.cli",
+        "predict",
+        "--model",
+        str(folder),
+        "--data",
+        str(folder / "case.nii.gz"),
+        "--out",
+        str(out),
+    ]
+    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
+    case = json.loads((out / "predict.json").read_text())["cases"]["case"]
+    return {"seconds": case["seconds"], "peak_rss_bytes": case["peak_rss_bytes"], "mode": case["mode"]}
+
+
+def run_peer(folder: Path) -> dict:
+    script = PEER.format(folder=str(folder), padded=PADDED)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    import nibabel as nib
+    import numpy as np
+
+    with tempfile.TemporaryDirectory() as workdir:
+        folder = Path(workdir)
+        subprocess.run(
+            [sys.executable, "-c", SETUP.format(folder=str(folder), shape=", ".join(map(str, SHAPE)))],
+            check=True,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        )
+        runs = {"kit": [], "peer": []}
+        for index in range(args.repeats):
+            for name in ("peer", "kit"):
+                load = os.getloadavg()[0]
+                result = run_kit(folder, index) if name == "kit" else run_peer(folder)
+                result["load_before"] = load
+                runs[name].append(result)
+                print(
+                    f"{name} {index + 1}: {result['seconds']:.2f} s, {result['peak_rss_bytes'] / 2**30:.2f} GiB "
+                    f"(load {load:.2f})",
+                    flush=True,
+                )
+        kit_mask = np.asanyarray(nib.load(folder / "kit-0" / "case.nii.gz").dataobj) > 0
+        peer_mask = np.load(folder / "peer_mask.npy") > 0
+        total = kit_mask.sum() + peer_mask.sum()
+        agreement = 1.0 if total == 0 else float(2 * (kit_mask & peer_mask).sum() / total)
+    voxels = SHAPE[0] * SHAPE[1] * SHAPE[2]
+    summary = {}
+    for name, rows in runs.items():
+        seconds = statistics.median(row["seconds"] for row in rows)
+        summary[name] = {
+            "median_seconds": round(seconds, 3),
+            "voxels_per_second": round(voxels / seconds),
+            "median_peak_gib": round(statistics.median(row["peak_rss_bytes"] for row in rows) / 2**30, 3),
+        }
+    summary["kit_vs_peer"] = {
+        "voxels_per_second": round(
+            summary["kit"]["voxels_per_second"] / summary["peer"]["voxels_per_second"], 3
+        ),
+        "peak_memory": round(summary["kit"]["median_peak_gib"] / summary["peer"]["median_peak_gib"], 3),
+        "mask_dice_agreement": round(agreement, 5),
+    }
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(
+        json.dumps({"shape": SHAPE, "padded": PADDED, "runs": runs, "summary": summary}, indent=2) + "\n"
+    )
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
