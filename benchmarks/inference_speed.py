@@ -69,23 +69,26 @@ print(json.dumps({{"seconds": seconds, "peak_rss_bytes": resource.getrusage(reso
 """
 
 
-def run_kit(folder: Path, index: int) -> dict:
-    out = folder / f"kit-{index}"
-    command = [
-        sys.executable,
-        "-m",
-        "bigmem_train.cli",
-        "predict",
-        "--model",
-        str(folder),
-        "--data",
-        str(folder / "case.nii.gz"),
-        "--out",
-        str(out),
-    ]
+VARIANTS = {
+    "kit tensorflow float32": ["--engine", "tensorflow", "--precision", "float32"],
+    "kit openvino float32": ["--engine", "openvino", "--precision", "float32"],
+    "kit tensorflow bfloat16": ["--engine", "tensorflow", "--precision", "bfloat16"],
+    "kit openvino bfloat16": ["--engine", "openvino", "--precision", "bfloat16"],
+}
+
+
+def run_kit(folder: Path, name: str, index: int) -> dict:
+    out = folder / f"{name.replace(' ', '-')}-{index}"
+    command = [sys.executable, "-m", "bigmem_train.cli", "predict", "--model", str(folder), "--data"]
+    command += [str(folder / "case.nii.gz"), "--out", str(out), *VARIANTS[name]]
     subprocess.run(command, check=True, capture_output=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
     case = json.loads((out / "predict.json").read_text())["cases"]["case"]
-    return {"seconds": case["seconds"], "peak_rss_bytes": case["peak_rss_bytes"], "mode": case["mode"]}
+    return {
+        "seconds": case["seconds"],
+        "peak_rss_bytes": case["peak_rss_bytes"],
+        "mode": case["mode"],
+        "mask": str(out / "case.nii.gz"),
+    }
 
 
 def run_peer(folder: Path) -> dict:
@@ -103,6 +106,7 @@ def run_peer(folder: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
     import nibabel as nib
     import numpy as np
@@ -114,11 +118,12 @@ def main() -> None:
             check=True,
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
         )
-        runs = {"kit": [], "peer": []}
+        names = ["peer", *args.variants]
+        runs: dict[str, list[dict]] = {name: [] for name in names}
         for index in range(args.repeats):
-            for name in ("peer", "kit"):
+            for name in names:
                 load = os.getloadavg()[0]
-                result = run_kit(folder, index) if name == "kit" else run_peer(folder)
+                result = run_peer(folder) if name == "peer" else run_kit(folder, name, index)
                 result["load_before"] = load
                 runs[name].append(result)
                 print(
@@ -126,10 +131,13 @@ def main() -> None:
                     f"(load {load:.2f})",
                     flush=True,
                 )
-        kit_mask = np.asanyarray(nib.load(folder / "kit-0" / "case.nii.gz").dataobj) > 0
         peer_mask = np.load(folder / "peer_mask.npy") > 0
-        total = kit_mask.sum() + peer_mask.sum()
-        agreement = 1.0 if total == 0 else float(2 * (kit_mask & peer_mask).sum() / total)
+        agreement = {}
+        for name in args.variants:
+            mask = np.asanyarray(nib.load(runs[name][0]["mask"]).dataobj) > 0
+            total = mask.sum() + peer_mask.sum()
+            agreement[name] = 1.0 if total == 0 else round(float(2 * (mask & peer_mask).sum() / total), 5)
+            agreement[name + " foreground voxels"] = int(mask.sum())
     voxels = SHAPE[0] * SHAPE[1] * SHAPE[2]
     summary = {}
     for name, rows in runs.items():
@@ -139,13 +147,14 @@ def main() -> None:
             "voxels_per_second": round(voxels / seconds),
             "median_peak_gib": round(statistics.median(row["peak_rss_bytes"] for row in rows) / 2**30, 3),
         }
-    summary["kit_vs_peer"] = {
-        "voxels_per_second": round(
-            summary["kit"]["voxels_per_second"] / summary["peer"]["voxels_per_second"], 3
-        ),
-        "peak_memory": round(summary["kit"]["median_peak_gib"] / summary["peer"]["median_peak_gib"], 3),
-        "mask_dice_agreement": round(agreement, 5),
-    }
+        if name != "peer":
+            summary[name]["vs_peer_voxels_per_second"] = round(
+                summary[name]["voxels_per_second"] / summary["peer"]["voxels_per_second"], 3
+            )
+            summary[name]["vs_peer_peak_memory"] = round(
+                summary[name]["median_peak_gib"] / summary["peer"]["median_peak_gib"], 3
+            )
+    summary["mask_dice_agreement_with_peer"] = agreement
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(
         json.dumps({"shape": SHAPE, "padded": PADDED, "runs": runs, "summary": summary}, indent=2) + "\n"

@@ -33,8 +33,10 @@ import sys
 import tomllib
 
 with open(sys.argv[1], "rb") as file:
-    dependencies = tomllib.load(file)["project"]["dependencies"]
-print("# From pyproject.toml [project.dependencies]; tensorflow -> tensorflow-cpu.")
+    project = tomllib.load(file)["project"]
+# The runtime and the extras the image carries (OpenVINO for predict).
+dependencies = project["dependencies"] + project["optional-dependencies"]["openvino"]
+print("# From pyproject.toml [project.dependencies] and the openvino extra; tensorflow -> tensorflow-cpu.")
 for requirement in dependencies:
     print(re.sub(r"^tensorflow(?=[<>=!~ \[;]|$)", "tensorflow-cpu", requirement))
 EOF

@@ -46,6 +46,18 @@ def add_parsers(sub) -> None:
         "--target", metavar="SIZE", help="plan within this much memory: 8GiB, 50%% (default: usable memory)"
     )
     predict.add_argument("--tile", metavar="X,Y,Z", help="predict in tiles of this shape instead of planning")
+    predict.add_argument(
+        "--engine",
+        choices=["auto", "tensorflow", "openvino"],
+        default="auto",
+        help="inference engine (default auto: OpenVINO when installed, else TensorFlow)",
+    )
+    predict.add_argument(
+        "--precision",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="bfloat16 where the CPU has it natively (AMX, AVX512_BF16): faster, half the activations",
+    )
     predict.add_argument("--plan", action="store_true", help="print each case's plan and stop")
 
     evaluate = sub.add_parser(
@@ -73,14 +85,28 @@ def _shape(text: str | None) -> tuple[int, int, int] | None:
 
 
 def predict_command(args: argparse.Namespace) -> int:
+    from bigmem_train.host import read_cpu_flags
+    from bigmem_train.infer.engine import check_precision, resolve_engine
     from bigmem_train.infer.predict import PredictRequest, check_out_dir, plan_cases, predict
     from bigmem_train.infer.source import resolve_images, resolve_model
 
+    resolve_engine(args.engine)
+    check_precision(args.precision, read_cpu_flags())
     source = resolve_model(args.model, args.config)
     cases = resolve_images(args.data, args.subset)
     tile = _shape(args.tile)
     check_out_dir(Path(args.out))
-    request = PredictRequest(source, cases, Path(args.out), args.tta, args.probabilities, args.target, tile)
+    request = PredictRequest(
+        source,
+        cases,
+        Path(args.out),
+        tta=args.tta,
+        probabilities=args.probabilities,
+        target=args.target,
+        tile=tile,
+        engine=args.engine,
+        precision=args.precision,
+    )
     plans = plan_cases(request)
     for case in cases:
         print(f"bigmem-train: plan {plans[case.name].describe()}", flush=True)

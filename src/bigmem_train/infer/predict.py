@@ -28,7 +28,7 @@ from bigmem_train.data.prepare import channel_selection, prepare_image
 from bigmem_train.data.reader import _placement
 from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.host import read_host_facts
-from bigmem_train.infer.engine import make_engine
+from bigmem_train.infer.engine import make_engine, resolve_engine
 from bigmem_train.infer.nifti import PARTIAL_PREFIX, like_source, output_path, write_atomically
 from bigmem_train.infer.source import ImageCase, ModelSource
 from bigmem_train.memory.inference import InferencePlan, plan_volume, tile_starts
@@ -48,7 +48,8 @@ class PredictRequest:
     probabilities: bool = False
     target: str | None = None
     tile: tuple[int, int, int] | None = None
-    engine: str = "tensorflow"
+    engine: str = "auto"
+    precision: str = "float32"
 
 
 def peak_rss_bytes() -> int:
@@ -98,6 +99,11 @@ def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
                 f"{config.data.channels}"
             )
     limit, _ = limit_for(request.target, config.footprint.safety_margin)
+    if request.precision == "bfloat16":
+        # The forward pass's tensors in bfloat16: the layer table of the job in mixed precision.
+        config = config.model_copy(
+            update={"runtime": config.runtime.model_copy(update={"precision": "mixed_bfloat16"})}
+        )
     table = layer_table(config)
     return {
         case.name: plan_volume(config, table, case.shape, case.channels, limit, request.tile, request.tta)
@@ -196,14 +202,15 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
         {
             "model": str(request.source.model_path),
             "config": str(request.source.config_path),
-            "engine": request.engine,
+            "engine": resolve_engine(request.engine),
+            "precision": request.precision,
             "tta": request.tta,
             "label_mode": config.data.label_mode,
             "output_classes": config.model.output_classes,
         }
     )
     if todo and engine is None:
-        engine = make_engine(request.engine, request.source.model_path)
+        engine = make_engine(request.engine, request.source.model_path, request.precision)
     for number, case in enumerate(todo, start=1):
         plan = plans[case.name]
         started = time.monotonic()
