@@ -64,9 +64,9 @@ JOBS = [
 ]
 
 
-def run_job(job, workdir: Path) -> dict:
+def run_job(job, workdir: Path, engine: str) -> dict:
     name, model, image_channels, channels, shape, tile, fit = job
-    folder = workdir / name
+    folder = workdir / f"{name}-{engine}"
     folder.mkdir()
     multiclass = model.get("output_classes", 1) > 1
     config = {
@@ -111,6 +111,7 @@ model.save({str(folder / "checkpoints" / "best.keras")!r})
         "--out",
         str(folder / "out"),
     ]
+    command += ["--engine", engine]
     if tile:
         command += ["--tile", ",".join(map(str, tile))]
     subprocess.run(command, check=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}, capture_output=True)
@@ -134,6 +135,8 @@ model.save({str(folder / "checkpoints" / "best.keras")!r})
 def fit(rows: list[dict]) -> tuple[float, float]:
     """Least squares: measured - (numpy volumes + parameters) = baseline + factor * forward live set."""
     chosen = [row for row in rows if row["fit"]]
+    if not chosen:
+        return 0.0, 0.0
     fixed = np.array(
         [
             sum(v for k, v in row["breakdown"].items() if k not in {"forward_pass", "runtime_baseline"})
@@ -148,7 +151,7 @@ def fit(rows: list[dict]) -> tuple[float, float]:
 
 
 def report(rows: list[dict], baseline: float | None = None, factor: float | None = None) -> None:
-    print(f"{'job':34} {'mode':6} {'planned GiB':>11} {'measured GiB':>12} {'error':>7}  set")
+    print(f"{'job':34} {'engine':10} {'mode':6} {'planned GiB':>11} {'measured GiB':>12} {'error':>7}  set")
     for row in rows:
         planned = row["planned_peak_bytes"]
         if baseline is not None:
@@ -167,6 +170,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="refit the constants on the recorded jobs")
     parser.add_argument("--reuse", action="store_true", help="use the recorded results instead of running")
+    parser.add_argument("--engines", nargs="+", default=["tensorflow", "openvino"])
     args = parser.parse_args()
     if args.reuse:
         rows = [json.loads(line) for line in RESULTS.read_text().splitlines()]
@@ -174,7 +178,8 @@ def main() -> None:
         rows = []
         with tempfile.TemporaryDirectory() as workdir:
             for job in JOBS:
-                rows.append(run_job(job, Path(workdir)))
+                for engine in args.engines:
+                    rows.append(run_job(job, Path(workdir), engine))
                 print(
                     f"{rows[-1]['job']}: measured {rows[-1]['measured_peak_bytes'] / 2**30:.2f} GiB",
                     flush=True,
@@ -183,9 +188,14 @@ def main() -> None:
         RESULTS.write_text("".join(json.dumps(row) + "\n" for row in rows))
     report(rows)
     if args.fit:
-        baseline, factor = fit(rows)
-        print(f"\nfitted: RUNTIME_BASELINE_BYTES = {baseline / 2**30:.3f} GiB, FORWARD_FACTOR = {factor:.3f}")
-        report(rows, baseline, factor)
+        for engine in sorted({row.get("engine", "tensorflow") for row in rows}):
+            chosen = [row for row in rows if row.get("engine", "tensorflow") == engine]
+            baseline, factor = fit(chosen)
+            print(
+                f"\n{engine}: baseline {baseline / 2**30:.3f} GiB, factor {factor:.3f} "
+                "(memory/inference.py ENGINE_CONSTANTS)"
+            )
+            report(chosen, baseline, factor)
 
 
 if __name__ == "__main__":

@@ -105,8 +105,11 @@ def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
             update={"runtime": config.runtime.model_copy(update={"precision": "mixed_bfloat16"})}
         )
     table = layer_table(config)
+    engine = resolve_engine(request.engine)
     return {
-        case.name: plan_volume(config, table, case.shape, case.channels, limit, request.tile, request.tta)
+        case.name: plan_volume(
+            config, table, case.shape, case.channels, limit, request.tile, request.tta, engine
+        )
         for case in request.cases
     }
 

@@ -3,14 +3,14 @@
 A forward pass keeps no activations for a backward pass: TensorFlow's executor frees each layer's output
 once its last consumer has run, so what is alive at once is a walk over the layer table in execution
 order (:func:`forward_live_bytes`): the current layer's inputs and output plus every skip connection
-still waiting for its decoder level. The process's peak is that times a measured factor (oneDNN's
+still waiting for its decoder level. The process's peak is that times a measured factor per engine (oneDNN's
 blocked-layout copies and workspace travel with the tensors), plus the volumes the predict loop holds in
 numpy (the image as read, its padded copy, the probabilities and, for tiles, the blending weights), the
 parameters and a runtime baseline (the interpreter, TensorFlow and the loaded model).
 
-The two constants were fitted on whole ``bigmem-train predict`` processes (``benchmarks/inference_memory.py``;
-docs/results/inference.md gives the shapes, the errors and the command that reproduces them). No
-TensorFlow at import.
+The two constants of each engine were fitted on whole ``bigmem-train predict`` processes
+(``benchmarks/inference_memory.py``; docs/results/inference.md gives the shapes, the errors and the command
+that reproduces them). No TensorFlow at import.
 """
 
 from __future__ import annotations
@@ -29,8 +29,11 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 # Fitted on whole predict processes (benchmarks/inference_memory.py): the process's resident memory before
 # the first volume (Python, TensorFlow, the model built twice: as saved and shape-free) and what the forward
 # pass holds per byte of the live set the walk counts.
-RUNTIME_BASELINE_BYTES = int(0.631 * 2**30)
-FORWARD_FACTOR = 1.70
+# Per engine: (runtime baseline bytes, forward factor).
+ENGINE_CONSTANTS = {
+    "tensorflow": (int(0.636 * 2**30), 1.60),
+    "openvino": (int(0.636 * 2**30), 1.60),
+}
 # Overlap of neighbouring tiles, as a fraction of the tile (nnU-Net's default step of half a tile).
 TILE_OVERLAP = 0.5
 
@@ -47,7 +50,7 @@ class InferencePlan:
     peak_bytes: int
     limit_bytes: int | None
     breakdown: dict[str, int] = field(default_factory=dict)
-    # The walk's live set before FORWARD_FACTOR: what the constants are fitted against.
+    # The walk's live set before the engine's factor: what the constants are fitted against.
     forward_live_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -117,6 +120,7 @@ def plan_volume(
     limit_bytes: int | None,
     window: tuple[int, int, int] | None = None,
     tta: bool = False,
+    engine: str = "tensorflow",
 ) -> InferencePlan:
     """Plan one volume: whole when its padded volume fits ``limit_bytes`` (None: always), else the
     largest tile that fits (the longest edge halved first); :class:`DoesNotFit` when not even the
@@ -131,7 +135,7 @@ def plan_volume(
         candidates = [padded, *_tile_candidates(padded, depth)]
     last = None
     for candidate in candidates:
-        plan = _plan_window(config, table, volume_shape, image_channels, candidate, limit_bytes, tta)
+        plan = _plan_window(config, table, volume_shape, image_channels, candidate, limit_bytes, tta, engine)
         last = plan
         if limit_bytes is None or plan.peak_bytes <= limit_bytes:
             return plan
@@ -163,7 +167,9 @@ def _plan_window(
     window: tuple[int, int, int],
     limit_bytes: int | None,
     tta: bool = False,
+    engine: str = "tensorflow",
 ) -> InferencePlan:
+    baseline, factor = ENGINE_CONSTANTS[engine]
     padded = padded_shape(volume_shape, config.model.depth)
     whole = tuple(window) == tuple(padded)
     voxels, padded_voxels = math.prod(volume_shape), math.prod(padded)
@@ -185,8 +191,8 @@ def _plan_window(
         # Test-time mirroring: the sum of the mirrored predictions beside the one being made.
         "mirroring": padded_voxels * 4 * classes if tta else 0,
         "parameters": parameter_bytes(table),
-        "forward_pass": int(FORWARD_FACTOR * live),
-        "runtime_baseline": RUNTIME_BASELINE_BYTES,
+        "forward_pass": int(factor * live),
+        "runtime_baseline": baseline,
     }
     return InferencePlan(
         volume_shape=tuple(volume_shape),
