@@ -135,7 +135,8 @@ def evaluate_whole_volumes(run_dir: Path, validation_cases: list) -> dict:
         f"bigmem-train: evaluating {source.model_path.name} on {len(images)} whole validation volume(s)",
         flush=True,
     )
-    summary = predict(PredictRequest(source, images, masks))
+    # TensorFlow, already loaded by training: no conversion for OpenVINO in the training process.
+    summary = predict(PredictRequest(source, images, masks, engine="tensorflow"))
     pairs = [
         (case.name, masks / summary["cases"][case.name]["output"], case.label) for case in validation_cases
     ]
