@@ -17,7 +17,11 @@ docs/results/inference.md), else TensorFlow.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.util
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -106,21 +110,17 @@ class TensorFlowEngine:
 
 
 class OpenVINOEngine:
-    """The saved model converted by OpenVINO once and compiled for each input shape it meets."""
+    """The saved model converted to OpenVINO's format once (in a child process, cached by the model file's
+    digest), then read and compiled once per input shape by a process that never imports TensorFlow: the
+    runtime's baseline is OpenVINO's, not TensorFlow's."""
 
     name = "openvino"
 
     def __init__(self, model_path: Path, precision: str = "float32"):
         import openvino as ov
 
-        saved = _load_keras(model_path)
-        model = _shape_free(saved, "float32")
-        del saved
-        with tempfile.TemporaryDirectory(prefix="bigmem-openvino-") as folder:
-            model.export(folder, format="tf_saved_model", verbose=False)
-            self._model = ov.convert_model(folder)
-        del model
         self._core = ov.Core()
+        self._model = self._core.read_model(converted_model(model_path))
         self._hint = {"INFERENCE_PRECISION_HINT": "bf16" if precision == "bfloat16" else "f32"}
         self._compiled: dict[tuple[int, ...], object] = {}
 
@@ -135,6 +135,73 @@ class OpenVINOEngine:
         return np.asarray(compiled(volume)[0], dtype=np.float32)
 
 
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:20]
+
+
+def converted_model(model_path: Path) -> Path:
+    """OpenVINO's model.xml for a ``.keras`` file: from the cache, else converted by a child process (which
+    imports TensorFlow; this one does not). The cache is under ``cache_dir()/openvino``, or a temporary
+    folder where that cannot be written (a read-only container)."""
+    from bigmem_train.memory.layers import cache_dir
+
+    digest = _file_digest(model_path)
+    for root in (cache_dir() / "openvino", Path(tempfile.gettempdir()) / "bigmem-train-openvino"):
+        target = root / digest / "model.xml"
+        if target.is_file():
+            return target
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        result = subprocess.run(
+            [sys.executable, "-m", "bigmem_train.infer.engine", "--convert", str(model_path), str(target)],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+        )
+        if result.returncode == 0 and target.is_file():
+            return target
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        if lines and lines[-1].startswith("BadInput: "):
+            raise BadInput(lines[-1].removeprefix("BadInput: "))
+        if result.returncode != 0 and not any(
+            "Permission denied" in line or "Read-only" in line for line in lines
+        ):
+            raise BadInput(
+                f"{model_path}: OpenVINO could not convert it ({lines[-1] if lines else 'no output'})"
+            )
+    raise BadInput(f"{model_path}: no writable folder for OpenVINO's converted model (set BIGMEM_CACHE_DIR)")
+
+
+def _convert(model_path: Path, target: Path) -> None:
+    """In a child process: the Keras model, shape-free, exported and converted to OpenVINO's files."""
+    import openvino as ov
+
+    model = _shape_free(_load_keras(model_path), "float32")
+    with tempfile.TemporaryDirectory(prefix="bigmem-openvino-") as folder:
+        model.export(folder, format="tf_saved_model", verbose=False)
+        converted = ov.convert_model(folder)
+    partial = target.with_name(".partial-" + target.name)
+    ov.save_model(converted, partial, compress_to_fp16=False)
+    partial.with_suffix(".bin").replace(target.with_suffix(".bin"))
+    partial.replace(target)
+
+
 def make_engine(name: str, model_path: Path, precision: str = "float32"):
     name = resolve_engine(name)
     return (OpenVINOEngine if name == "openvino" else TensorFlowEngine)(model_path, precision)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 4 and sys.argv[1] == "--convert":
+        try:
+            _convert(Path(sys.argv[2]), Path(sys.argv[3]))
+        except BadInput as error:
+            sys.exit(f"BadInput: {error}")
+    else:
+        sys.exit("usage: python -m bigmem_train.infer.engine --convert MODEL.keras OUT/model.xml")
