@@ -287,3 +287,19 @@ def test_a_write_killed_halfway_leaves_no_mask_under_its_final_name(run_dir, tmp
     monkeypatch.setattr(nifti.nib, "save", real_save)
     predict(PredictRequest(source, cases, tmp_path / "out"), engine=pointwise)
     assert nib.load(tmp_path / "out" / "case.nii.gz").shape == (16, 16, 12)
+
+
+def test_engine_and_precision_are_checked_before_anything_runs(run_dir, tmp_path, monkeypatch, capsys):
+    import bigmem_train.host as host
+    import bigmem_train.infer.engine as engine
+
+    image = _image(tmp_path / "one.nii.gz", (16, 16, 12))
+    arguments = ["predict", "--model", str(run_dir), "--data", str(image), "--out", str(tmp_path / "o")]
+    monkeypatch.setattr(host, "read_cpu_flags", lambda root=None: ["avx2", "avx512f"])
+    assert main([*arguments, "--precision", "bfloat16"]) == 2
+    assert "this CPU has no native bfloat16" in capsys.readouterr().err
+    monkeypatch.setattr(engine, "openvino_available", lambda: False)
+    assert main([*arguments, "--engine", "openvino"]) == 2
+    assert "OpenVINO is not installed" in capsys.readouterr().err
+    assert engine.resolve_engine("auto") == "tensorflow"
+    assert not (tmp_path / "o").exists()

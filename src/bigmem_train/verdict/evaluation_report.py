@@ -26,6 +26,7 @@ def plot_evaluation(result: dict[str, Any], path: Path) -> Path | None:
         axes.set_ylabel(label)
         axes.grid(alpha=0.3)
     dice_axes.set_ylim(-0.02, 1.02)
+    hd_axes.set_ylim(bottom=0)
     figure.suptitle(f"{len({case['case'] for case in result['cases']})} case(s)")
     return _save(plt, figure, path)
 
