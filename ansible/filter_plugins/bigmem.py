@@ -8,6 +8,7 @@ needs only the standard library.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -123,7 +124,8 @@ def _read_only_rules(name, dependencies):
         for dependency in dependencies or []
         if dependency.get("Type", "Map") == "Map"
         and dependency.get("Dependency", {}).get("MapToAttribute") == name
-        and dependency.get("Dependency", {}).get("MapToProperty") == "ReadOnly"
+        # iLO's GrayOut: accepted, then overridden at POST by the workload profile; as good as read-only.
+        and dependency.get("Dependency", {}).get("MapToProperty") in ("ReadOnly", "GrayOut")
     ]
 
 
@@ -170,7 +172,9 @@ def bigmem_registry_errors(wanted, registry, dependencies=None, current=None):
     return errors
 
 
-def bigmem_bios_plan(wanted, current, settings=None, dependencies=None, replace_pending=False):
+def bigmem_bios_plan(
+    wanted, current, settings=None, dependencies=None, replace_pending=False, can_clear=True
+):
     """What the bios role does with the BMC's BIOS: a dict of
 
     pending      values staged on the BMC, not yet applied (BIOS/Settings entries that differ from the
@@ -179,46 +183,168 @@ def bigmem_bios_plan(wanted, current, settings=None, dependencies=None, replace_
                  (registry Dependencies, e.g. SysProfile) first
     foreign      pending values the profile does not ask for (other values, or other attributes)
     outstanding  wanted values that the current and pending values together still lack
-    conflict     values are pending and they are not exactly the wanted changes: iDRAC refuses another
-                 PATCH until they are applied or cleared
-    clear_first  clear the pending values first (conflict and replace_pending)
-    stage        the values to PATCH now ({} when they are already pending, or on an unresolved conflict)
+    conflict     foreign values are pending: the role stops unless replace_pending
+    extend       the pending values are part of the wanted changes, and more are wanted (an earlier run with
+                 fewer attributes): merged with the rest, the way Dell's idrac_bios module does it
+    clear_first  clear the pending values (and their BIOS job) first, then stage all the changes: on a BMC
+                 with a ClearPending action (``can_clear``, iDRAC: older firmware refuses a second PATCH while
+                 a job is scheduled, newer appends to it); on extend, or on conflict with replace_pending
+    stage        the values to PATCH now ({} when they are already pending, or on an unresolved conflict);
+                 on a BMC without ClearPending that merges PATCHes (iLO), only the outstanding ones on extend
+    blocked      a conflict that stops the play (no replace_pending, or nothing to clear it with)
     before/after the attributes concerned as the BMC will apply them at the next reboot, before and after
                  this run (for the per-attribute diff)
     """
     current = current or {}
     pending = bigmem_changed_items(settings or {}, current)
-    changes = bigmem_changed_items(wanted, current)
     first = {
         term.get("MapFromAttribute")
         for dependency in dependencies or []
         for term in dependency.get("Dependency", {}).get("MapFrom") or []
     }
-    changes = dict(sorted(changes.items(), key=lambda item: item[0] not in first))
+
+    def ordered(values):
+        return dict(sorted(values.items(), key=lambda item: item[0] not in first))
+
+    changes = ordered(bigmem_changed_items(wanted, current))
     effective = {**current, **pending}
-    outstanding = bigmem_changed_items(wanted, effective)
+    outstanding = ordered(bigmem_changed_items(wanted, effective))
     foreign = {
         key: value for key, value in pending.items() if key not in wanted or not _same(value, wanted[key])
     }
-    conflict = bool(pending) and bool(foreign or outstanding)
-    clear = conflict and bool(replace_pending)
-    stage = changes if (not pending or clear) else {}
+    conflict = bool(pending) and bool(foreign)
+    extend = bool(pending) and not foreign and bool(outstanding)
+    clear = bool(can_clear) and (extend or (conflict and bool(replace_pending)))
+    blocked = conflict and not clear
+    if clear or not pending:
+        stage = changes
+    elif extend:
+        stage = outstanding
+    else:
+        stage = {}
     keys = [key for key in current if key in wanted or key in pending]
-    after_run = {**current, **pending} if (pending and not clear) else {**current, **stage}
+    after_run = effective if blocked else {**(current if clear else effective), **stage}
     return {
         "pending": pending,
         "changes": changes,
         "foreign": foreign,
         "outstanding": outstanding,
         "conflict": conflict,
+        "extend": extend,
         "clear_first": clear,
+        "blocked": blocked,
         "stage": stage,
-        "already_pending": bool(pending) and not conflict,
+        "already_pending": bool(pending) and not conflict and not extend,
         "before": {key: effective[key] for key in keys},
-        "after": {key: after_run[key] for key in keys}
-        if not (conflict and not clear)
-        else {key: effective[key] for key in keys},
+        "after": {key: after_run[key] for key in keys},
     }
+
+
+_CPU_FAMILIES = (
+    ("amd", re.compile(r"\bAMD\b|EPYC", re.IGNORECASE)),
+    ("intel", re.compile(r"Intel|Xeon", re.IGNORECASE)),
+)
+_VENDORS = (
+    ("dell", re.compile(r"\bDell\b", re.IGNORECASE)),
+    ("hpe", re.compile(r"\bHPE?\b|Hewlett", re.IGNORECASE)),
+)
+
+
+def _family(text, families):
+    return next((name for name, pattern in families if pattern.search(str(text or ""))), "")
+
+
+def bigmem_bios_pick_profile(profiles, vendor, system=None, attribute_names=None, requested=""):
+    """The entry of ``profiles`` (bigmem_bios_profiles) for this system, as a dict of
+
+    name    the profile's key ('' when none fits)
+    reason  why it was picked, for the play's output
+    error   '' or what is wrong (a bmc_vendor the system contradicts, no profile that fits)
+    cpu     the CPU family the system reports (amd, intel or '')
+
+    In this order: ``requested`` (bigmem_bios_profile); ``vendor`` (bmc_vendor) when it is a profile's key
+    itself (generic, or an inventory's own); ``<vendor>_<cpu>`` with the CPU family from the Redfish system's
+    ``ProcessorSummary.Model``; else the one ``<vendor>_*`` profile whose attributes the BIOS all offers
+    (``attribute_names``: the BIOS attributes, or the registry's).
+    """
+    profiles = profiles or {}
+    system = system or {}
+    names = set(attribute_names or [])
+    model = (system.get("ProcessorSummary") or {}).get("Model") or ""
+    cpu = _family(model, _CPU_FAMILIES)
+    reported = _family(system.get("Manufacturer"), _VENDORS)
+
+    def result(name, reason, error=""):
+        return {"name": name, "reason": reason, "error": error, "cpu": cpu}
+
+    if requested:
+        if requested not in profiles:
+            return result(
+                "",
+                "",
+                f"bigmem_bios_profile={requested} is not a key of bigmem_bios_profiles ({', '.join(sorted(profiles))})",
+            )
+        return result(requested, f"bigmem_bios_profile={requested}")
+    if vendor in profiles:
+        return result(vendor, f"bmc_vendor={vendor}")
+    if reported and reported != vendor:
+        return result(
+            "",
+            "",
+            f"bmc_vendor={vendor}, but the system reports Manufacturer={system.get('Manufacturer')}: "
+            f"set bmc_vendor={reported} on its line in inventory.ini",
+        )
+    if cpu and f"{vendor}_{cpu}" in profiles:
+        return result(f"{vendor}_{cpu}", f"bmc_vendor={vendor} and ProcessorSummary.Model={model}")
+    candidates = sorted(name for name in profiles if name.startswith(f"{vendor}_"))
+    fitting = [name for name in candidates if names and set(profiles[name] or {}) <= names]
+    if len(fitting) == 1:
+        return result(
+            fitting[0],
+            f"bmc_vendor={vendor}, and {fitting[0]} is the one {vendor} profile whose attributes the BIOS all offers"
+            + (f" (the system reports no CPU model{': ' + model if model else ''})" if not cpu else ""),
+        )
+    return result(
+        "",
+        "",
+        f"cannot tell which profile of {', '.join(candidates) or 'none'} fits (bmc_vendor={vendor}, "
+        f"ProcessorSummary.Model={model or 'not reported'}, profiles whose attributes the BIOS all offers: "
+        f"{', '.join(fitting) or 'none'}): set bigmem_bios_profile",
+    )
+
+
+def bigmem_bios_unknown(wanted, current, profile_name, profile, overrides, profiles):
+    """For the BIOS attributes of ``wanted`` the BMC does not offer (not in ``current``): one line naming each
+    with where it came from (the profile, or bigmem_bios_attributes), then what to set instead: the other
+    profiles whose attributes the BIOS all offers, with what they set that this one does not. '' when none."""
+    current = current or {}
+    unknown = [key for key in wanted or {} if key not in current]
+    if not unknown:
+        return ""
+    overrides = overrides or {}
+
+    def source(key):
+        return "bigmem_bios_attributes" if key in overrides else f"profile {profile_name}"
+
+    text = "does not offer " + ", ".join(f"{key} (from {source(key)})" for key in unknown) + "."
+    fitting = [
+        name
+        for name, values in sorted((profiles or {}).items())
+        if name != profile_name and values and set(values) <= set(current)
+    ]
+    if fitting:
+        text += (
+            " Set instead: "
+            + "; ".join(
+                f"bigmem_bios_profile={name}, which sets "
+                + ", ".join(
+                    f"{key}={value}" for key, value in profiles[name].items() if key not in (profile or {})
+                )
+                for name in fitting
+            )
+            + "."
+        )
+    return text
 
 
 def bigmem_job_variable_errors(job, templates_dir):
@@ -249,6 +375,8 @@ class FilterModule:
             "bigmem_changed_items": bigmem_changed_items,
             "bigmem_registry_errors": bigmem_registry_errors,
             "bigmem_bios_plan": bigmem_bios_plan,
+            "bigmem_bios_pick_profile": bigmem_bios_pick_profile,
+            "bigmem_bios_unknown": bigmem_bios_unknown,
             "bigmem_member_uris": bigmem_member_uris,
             "bigmem_reduced_memory_modes": bigmem_reduced_memory_modes,
         }

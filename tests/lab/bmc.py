@@ -17,23 +17,32 @@ GracefulRestart -> ACPI power button, then power back on once the guest has shut
 pause, On -> resume. A Redfish reboot therefore really reboots the lab server.
 
 On top of sushy-tools (whose BIOS applies a PATCH at once, accepts any name and never says no), the
-BIOS behaves like a Dell iDRAC 9's, so that a role written against the emulator survives real hardware:
+BIOS behaves like a Dell iDRAC 9's or an HPE iLO 5/6's, for an Intel or an AMD server (``--flavour``:
+dell-intel, the default, dell-amd, hpe-intel, hpe-amd; FLAVOURS holds each one's attribute names and values),
+so that a role written against the emulator survives real hardware:
 
-- Pending values. A PATCH of ``BIOS/Settings`` stages values; ``BIOS`` keeps showing the current ones and
-  ``BIOS/Settings`` shows only the pending ones, until the server resets (the BIOS applies them at POST,
-  whether the reset came through Redfish or from the OS rebooting: the QMP ``RESET`` event). While values
-  are pending a second PATCH is refused with HTTP 400 "Pending configuration values are already
-  committed, unable to perform another set operation." (iDRAC's SYS011; dell/iDRAC-Redfish-Scripting#249).
-  The Dell OEM action ``DellManager.ClearPending`` on ``BIOS/Settings`` drops them.
-- An attribute registry with dependencies. ``ProcPwrPerf``, ``ProcCStates``, ``ProcC1E``,
-  ``ProcTurboMode`` and ``MemFrequency`` are read-only unless ``SysProfile`` is ``Custom`` (the registry
-  says so under ``Dependencies`` and in ``ReadOnly``); a PATCH setting one of them is refused unless
-  ``SysProfile`` is ``Custom`` already or in the same PATCH. Unknown names and values outside an
-  enumeration are refused with HTTP 400, as iDRAC does.
+- Pending values. A PATCH of ``BIOS/Settings`` stages values; ``BIOS`` keeps showing the current ones
+  until the server resets (the BIOS applies them at POST, whether the reset came through Redfish or from
+  the OS rebooting: the QMP ``RESET`` event). iDRAC: ``BIOS/Settings`` shows only the pending values; while
+  a BIOS job is scheduled, older firmware refuses another PATCH with HTTP 400 "Pending configuration values
+  are already committed, unable to perform another set operation." (iDRAC's SYS011;
+  dell/iDRAC-Redfish-Scripting#249), newer firmware adds the values to the job
+  (``--idrac-second-patch append``); the OEM action ``DellManager.ClearPending`` drops the values and their
+  job. iLO: ``BIOS/Settings`` shows the whole state the next boot applies, every PATCH merges into it (a
+  value equal to the current one is no change), and there is no action to clear it.
+- An attribute registry with dependencies. The attributes a system or workload profile governs
+  (Dell: ``ProcPwrPerf``, ``ProcCStates``, ``ProcC1E``, ``ProcTurboMode``, ``MemFrequency`` unless
+  ``SysProfile`` is ``Custom``) are ``ReadOnly`` on iDRAC (the registry says so under ``Dependencies``):
+  a PATCH setting one is refused unless ``SysProfile`` is ``Custom`` already or in the same PATCH. On iLO
+  they are ``GrayOut`` unless ``WorkloadProfile`` is ``Custom``: the PATCH is accepted, but at POST the
+  workload profile puts its own values back, so the change is silently lost. Unknown names and values
+  outside an enumeration are refused with HTTP 400 by both.
+- The system reports its ``Manufacturer`` and ``ProcessorSummary.Model`` (``--processor-model ''``: not
+  reported, as on some firmware), and the service root its ``Vendor`` (community.general adds
+  ``ApplyTime: OnReset`` for Dell).
 - Reset types. The system offers only the ``ResetType`` values given by ``--reset-types``; the default
   lacks ``GracefulRestart``, like many iDRAC 9 firmwares on 14th-generation servers (community.general
   then sends ``ForceRestart``). A reset type not offered is refused with HTTP 400.
-- ``Vendor: Dell`` in the service root (community.general adds ``ApplyTime: OnReset`` for Dell).
 - Several systems: ``--extra-system NAME`` adds a system (not wired to the VM; its pending values
   apply at a Redfish reset), for the inventory's ``bmc_resource_id``.
 """
@@ -41,6 +50,7 @@ BIOS behaves like a Dell iDRAC 9's, so that a role written against the emulator 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import socket
@@ -48,6 +58,7 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from xml.sax.saxutils import quoteattr
 
 import bcrypt
@@ -89,33 +100,160 @@ def domain_xml(name: str, memory_mib: int, bios_attributes: dict[str, str]) -> s
 </domain>"""
 
 
-# ---- the BIOS as iDRAC 9 keeps it ------------------------------------------------------------------
+# ---- the BIOS as iDRAC 9 and iLO 5/6 keep it --------------------------------------------------------
 
-REGISTRY_NAME = "BiosAttributeRegistry.v1_0_0"  # the registry file sushy-tools already lists
-REGISTRY_URI = f"/redfish/v1/Registries/BiosAttributeRegistry/{REGISTRY_NAME}"  # where iDRAC serves it
-CUSTOM_ONLY = ("ProcPwrPerf", "ProcCStates", "ProcC1E", "ProcTurboMode", "MemFrequency")
 ENABLED_DISABLED = ["Enabled", "Disabled"]
-ENUMERATIONS = {
-    "SysProfile": [
-        "PerfPerWattOptimizedDapc",
-        "PerfPerWattOptimizedOs",
-        "PerfOptimized",
-        "DenseCfgOptimized",
-        "Custom",
-    ],
-    "ProcPwrPerf": ["SysDbpm", "MaxPerf", "OsDbpm"],
-    "ProcCStates": ENABLED_DISABLED,
-    "ProcC1E": ENABLED_DISABLED,
-    "ProcTurboMode": ENABLED_DISABLED,
-    "MemFrequency": ["MaxPerf", "MaxReliability", "2933MHz", "2666MHz"],
-    "LogicalProc": ENABLED_DISABLED,
-    "SubNumaCluster": ENABLED_DISABLED,
-    "NodeInterleave": ENABLED_DISABLED,
-    "MemOpMode": ["OptimizerMode", "MirrorMode", "SpareMode", "FaultResilientMode"],
-    "BootMode": ["Bios", "Uefi"],
-}
-READ_ONLY = ("SerialNumber",)
+DELL_SYS_PROFILES = [
+    "PerfPerWattOptimizedDapc",
+    "PerfPerWattOptimizedOs",
+    "PerfOptimized",
+    "DenseCfgOptimized",
+    "Custom",
+]
+HPE_WORKLOAD_PROFILES = [
+    "GeneralPowerEfficientCompute",
+    "GeneralPeakFrequencyCompute",
+    "GeneralThroughputCompute",
+    "HighPerformanceCompute",
+    "LowLatency",
+    "Custom",
+]
+SUSHY_REGISTRY_NAME = "BiosAttributeRegistry.v1_0_0"  # the registry file sushy-tools already lists
 SYS011 = "Pending configuration values are already committed, unable to perform another set operation."
+
+
+@dataclass(frozen=True)
+class Flavour:
+    """One BMC and BIOS family: the attribute names and values of its registry and its pending rules.
+
+    ``governor``/``governed``: the governed attributes are writable only while the governor holds that value
+    (Dell SysProfile=Custom, HPE WorkloadProfile=Custom). iDRAC marks them ReadOnly in the registry and refuses a
+    PATCH setting one (unless the same PATCH sets the governor); iLO marks them GrayOut, accepts the PATCH, and at
+    POST the workload profile puts its own values back unless WorkloadProfile is Custom after the reset.
+    """
+
+    name: str
+    vendor: str  # the service root's Vendor (community.general adds ApplyTime: OnReset for Dell)
+    manufacturer: str  # the system's Manufacturer
+    processor_model: str  # the system's ProcessorSummary.Model
+    registry_name: str
+    enumerations: dict[str, list[str]]
+    governor: tuple[str, str]
+    governed: tuple[str, ...]
+    read_only: tuple[str, ...] = ("SerialNumber",)
+
+    @property
+    def ilo(self) -> bool:
+        return self.vendor == "HPE"
+
+    @property
+    def registry_uri(self) -> str:
+        if self.ilo:  # iLO serves its registries under /redfish/v1/registrystore, linked by extref
+            return f"/redfish/v1/registrystore/attributeregistries/en/{self.registry_name}"
+        return f"/redfish/v1/Registries/BiosAttributeRegistry/{self.registry_name}"
+
+
+# Names and values from the public iDRAC 9 and iLO 5/6 registries and BIOS dumps (roles/bigmem_bios/README.md).
+FLAVOURS = {
+    flavour.name: flavour
+    for flavour in (
+        Flavour(
+            name="dell-intel",
+            vendor="Dell",
+            manufacturer="Dell Inc.",
+            processor_model="Intel(R) Xeon(R) Gold 6338 CPU @ 2.00GHz",
+            registry_name="BiosAttributeRegistry.v1_0_0",
+            enumerations={
+                "SysProfile": DELL_SYS_PROFILES,
+                "ProcPwrPerf": ["SysDbpm", "MaxPerf", "OsDbpm"],
+                "ProcCStates": ENABLED_DISABLED,
+                "ProcC1E": ENABLED_DISABLED,
+                "ProcTurboMode": ENABLED_DISABLED,
+                "MemFrequency": ["MaxPerf", "MaxReliability", "2933MHz", "2666MHz"],
+                "LogicalProc": ENABLED_DISABLED,
+                "SubNumaCluster": ENABLED_DISABLED,
+                "NodeInterleave": ENABLED_DISABLED,
+                "MemOpMode": ["OptimizerMode", "MirrorMode", "SpareMode", "FaultResilientMode"],
+                "BootMode": ["Bios", "Uefi"],
+            },
+            governor=("SysProfile", "Custom"),
+            governed=("ProcPwrPerf", "ProcCStates", "ProcC1E", "ProcTurboMode", "MemFrequency"),
+        ),
+        # PowerEdge R6525/R7525/R6615/XE8545: no SubNumaCluster, NodeInterleave, MemOpMode or ProcC1E.
+        Flavour(
+            name="dell-amd",
+            vendor="Dell",
+            manufacturer="Dell Inc.",
+            processor_model="AMD EPYC 9654 96-Core Processor",
+            registry_name="BiosAttributeRegistry.v1_0_0",
+            enumerations={
+                "SysProfile": DELL_SYS_PROFILES,
+                "ProcPwrPerf": ["SysDbpm", "MaxPerf", "OsDbpm"],
+                "ProcCStates": ENABLED_DISABLED,
+                "ProcTurboMode": ENABLED_DISABLED,
+                "MemFrequency": ["MaxPerf", "MaxReliability", "4800MHz", "4400MHz"],
+                "LogicalProc": ENABLED_DISABLED,
+                "NumaNodesPerSocket": ["0", "1", "2", "4"],
+                "CcxAsNumaDomain": ENABLED_DISABLED,
+                "BootMode": ["Bios", "Uefi"],
+            },
+            governor=("SysProfile", "Custom"),
+            governed=("ProcPwrPerf", "ProcCStates", "ProcTurboMode", "MemFrequency"),
+        ),
+        Flavour(
+            name="hpe-intel",
+            vendor="HPE",
+            manufacturer="HPE",
+            processor_model="Intel(R) Xeon(R) Platinum 8480+",
+            registry_name="BiosAttributeRegistryU54.v1_2_10",
+            enumerations={
+                "WorkloadProfile": HPE_WORKLOAD_PROFILES,
+                "PowerRegulator": ["DynamicPowerSavings", "StaticLowPower", "StaticHighPerf", "OsControl"],
+                "MinProcIdlePower": ["C6", "C1E", "NoCStates"],
+                "ProcTurbo": ENABLED_DISABLED,
+                "ProcHyperthreading": ENABLED_DISABLED,
+                "SubNumaClustering": ENABLED_DISABLED,
+                "NodeInterleaving": ENABLED_DISABLED,
+                "EnergyPerfBias": ["MaxPerf", "BalancedPerf", "BalancedPower", "MaxPower"],
+                "AdvancedMemProtection": [
+                    "AdvancedEcc",
+                    "OnlineSpareAdvancedEcc",
+                    "MirroredAdvancedEcc",
+                    "FastFaultTolerantADDDC",
+                ],
+                "BootMode": ["LegacyBios", "Uefi"],
+            },
+            governor=("WorkloadProfile", "Custom"),
+            governed=("PowerRegulator", "MinProcIdlePower", "ProcTurbo", "EnergyPerfBias"),
+        ),
+        # ProLiant DL325/DL385 Gen10 Plus, Gen11: ProcAMDBoost, ProcSMT, NumaMemoryDomainsPerSocket,
+        # AmdMemoryInterleaving; no EnergyPerfBias or AdvancedMemProtection; PowerRegulator as on Gen11.
+        Flavour(
+            name="hpe-amd",
+            vendor="HPE",
+            manufacturer="HPE",
+            processor_model="AMD EPYC 9554 64-Core Processor",
+            registry_name="BiosAttributeRegistryA55.v1_1_60",
+            enumerations={
+                "WorkloadProfile": HPE_WORKLOAD_PROFILES,
+                "PowerRegulator": ["StaticHighPerf", "OsControl"],
+                "MinProcIdlePower": ["C6", "NoCStates"],
+                "ProcAMDBoost": ENABLED_DISABLED,
+                "ProcSMT": ENABLED_DISABLED,
+                "NumaMemoryDomainsPerSocket": [
+                    "Auto",
+                    "OneMemoryDomainPerSocket",
+                    "TwoMemoryDomainsPerSocket",
+                    "FourMemoryDomainsPerSocket",
+                ],
+                "AmdMemoryInterleaving": ["Auto", "Disabled"],
+                "BootMode": ["LegacyBios", "Uefi"],
+            },
+            governor=("WorkloadProfile", "Custom"),
+            governed=("PowerRegulator", "MinProcIdlePower", "ProcAMDBoost"),
+        ),
+    )
+}
 
 
 def system_uuid(name: str) -> str:
@@ -140,8 +278,10 @@ def redfish_error(status: int, message_id: str, message: str, resolution: str = 
     return flask.Response(json.dumps(body), status=status, content_type="application/json")
 
 
-def custom_only_dependencies() -> list[dict]:
-    """Registry ``Dependencies``: each CUSTOM_ONLY attribute is read-only while SysProfile is not Custom."""
+def governed_dependencies(flavour: Flavour) -> list[dict]:
+    """Registry ``Dependencies``: each governed attribute is ReadOnly (iDRAC) or GrayOut (iLO) while the governor
+    does not hold its value."""
+    attribute, value = flavour.governor
     return [
         {
             "DependencyFor": name,
@@ -149,32 +289,38 @@ def custom_only_dependencies() -> list[dict]:
             "Dependency": {
                 "MapFrom": [
                     {
-                        "MapFromAttribute": "SysProfile",
+                        "MapFromAttribute": attribute,
                         "MapFromProperty": "CurrentValue",
                         "MapFromCondition": "NEQ",
-                        "MapFromValue": "Custom",
+                        "MapFromValue": value,
                     }
                 ],
                 "MapToAttribute": name,
-                "MapToProperty": "ReadOnly",
+                "MapToProperty": "GrayOut" if flavour.ilo else "ReadOnly",
                 "MapToValue": True,
             },
         }
-        for name in CUSTOM_ONLY
+        for name in flavour.governed
     ]
 
 
-def read_only_under(values: dict) -> set[str]:
-    """Attributes that are read-only when the BIOS holds ``values``."""
-    locked = set(READ_ONLY)
-    if values.get("SysProfile") != "Custom":
-        locked.update(CUSTOM_ONLY)
+def governed_locked(flavour: Flavour, values: dict) -> bool:
+    attribute, value = flavour.governor
+    return values.get(attribute) != value
+
+
+def read_only_under(flavour: Flavour, values: dict) -> set[str]:
+    """Attributes a PATCH may not change when the BIOS holds ``values``."""
+    locked = set(flavour.read_only)
+    if not flavour.ilo and governed_locked(flavour, values):
+        locked.update(flavour.governed)
     return locked
 
 
-def registry(current: dict) -> dict:
+def registry(flavour: Flavour, current: dict) -> dict:
     """The attribute registry of a BIOS that currently holds ``current`` (ReadOnly follows the dependencies)."""
-    locked = read_only_under(current)
+    locked = read_only_under(flavour, current)
+    grayed = set(flavour.governed) if flavour.ilo and governed_locked(flavour, current) else set()
     entries = []
     for name in sorted(current):
         entry = {
@@ -182,55 +328,66 @@ def registry(current: dict) -> dict:
             "DisplayName": name,
             "ReadOnly": name in locked,
             "Hidden": False,
-            "Immutable": name in READ_ONLY,
+            "Immutable": name in flavour.read_only,
             "CurrentValue": current[name],
         }
-        if name in ENUMERATIONS:
+        if flavour.ilo:
+            entry["GrayOut"] = name in grayed
+        if name in flavour.enumerations:
             entry.update(
                 Type="Enumeration",
-                Value=[{"ValueName": value, "ValueDisplayName": value} for value in ENUMERATIONS[name]],
+                Value=[
+                    {"ValueName": value, "ValueDisplayName": value} for value in flavour.enumerations[name]
+                ],
             )
         else:
             entry["Type"] = "String"
         entries.append(entry)
     return {
-        "@odata.id": REGISTRY_URI,
+        "@odata.id": flavour.registry_uri,
         "@odata.type": "#AttributeRegistry.v1_3_0.AttributeRegistry",
-        "Id": REGISTRY_NAME,
+        "Id": flavour.registry_name,
         "Name": "BIOS Attribute Registry",
         "Language": "en",
-        "OwningEntity": "Dell",
-        "RegistryVersion": "1.0.0",
-        "RegistryEntries": {"Attributes": entries, "Dependencies": custom_only_dependencies()},
+        "OwningEntity": flavour.vendor,
+        "RegistryVersion": flavour.registry_name.split(".", 1)[1],
+        "RegistryEntries": {"Attributes": entries, "Dependencies": governed_dependencies(flavour)},
     }
 
 
-def refuse_patch(current: dict, pending: dict, attributes) -> tuple[str, str] | None:
-    """(MessageId, message) when iDRAC would refuse this PATCH of BIOS/Settings, else None."""
-    if pending:
+def refuse_patch(
+    flavour: Flavour, current: dict, pending: dict, attributes, second_patch: str = "refuse"
+) -> tuple[str, str] | None:
+    """(MessageId, message) when the BMC would refuse this PATCH of BIOS/Settings, else None.
+
+    iDRAC: while a BIOS job is scheduled (values pending), older firmware refuses another PATCH (SYS011),
+    newer firmware (``second_patch="append"``) adds the values to the scheduled job. iLO merges them always.
+    """
+    if pending and not flavour.ilo and second_patch == "refuse":
         return "IDRAC.2.8.SYS011", SYS011
     if not isinstance(attributes, dict) or not attributes:
         return "Base.1.12.PropertyMissing", "The request body must hold a non-empty Attributes object."
     for name, value in attributes.items():
         if name not in current:
             return "Base.1.12.PropertyUnknown", f"The property {name} is not in the list of valid properties."
-        if name in ENUMERATIONS and value not in ENUMERATIONS[name]:
+        if name in flavour.enumerations and value not in flavour.enumerations[name]:
             return (
                 "Base.1.12.PropertyValueNotInList",
                 f"The value {value} for the property {name} is not in the list of acceptable values.",
             )
-    after = {**current, **attributes}
+    after = {**current, **pending, **attributes}
     for name in attributes:
-        if name in read_only_under(after) and attributes[name] != current[name]:
-            why = " unless SysProfile is Custom" if name in CUSTOM_ONLY else ""
-            return "IDRAC.2.8.SYS410", f"The attribute {name} is read-only{why}."
+        if name in read_only_under(flavour, after) and attributes[name] != current[name]:
+            why = f" unless {'='.join(flavour.governor)}" if name in flavour.governed else ""
+            return "Base.1.12.PropertyNotWritable", f"The attribute {name} is read-only{why}."
     return None
 
 
-class DellBios:
+class PendingBios:
     """Pending BIOS values per system, applied when the system resets."""
 
-    def __init__(self, system_names: list[str]):
+    def __init__(self, system_names: list[str], flavour: Flavour):
+        self.flavour = flavour
         self.lock = threading.Lock()
         self.pending: dict[str, dict] = {}  # system UUID -> pending attributes
         self.ids = {}  # name or UUID -> UUID (sushy-tools answers a name with a redirect to the UUID)
@@ -243,15 +400,37 @@ class DellBios:
     def apply(self, driver, identity: str, why: str) -> None:
         with self.lock:
             pending = self.pending.pop(identity, {})
-            if pending:
-                driver.set_bios(identity, pending)
-                LOG.info("system %s: applied pending BIOS values %s at %s", identity, pending, why)
+        if not pending:
+            return
+        if self.flavour.ilo:
+            after = {**driver.get_bios(identity), **pending}
+            if governed_locked(self.flavour, after):
+                # The workload profile sets the governed attributes itself at POST: changes to them are lost.
+                lost = {name: pending.pop(name) for name in self.flavour.governed if name in pending}
+                if lost:
+                    LOG.info(
+                        "system %s: workload profile %s overrides %s at POST",
+                        identity,
+                        after.get(self.flavour.governor[0]),
+                        lost,
+                    )
+        if pending:
+            driver.set_bios(identity, pending)
+        LOG.info("system %s: applied pending BIOS values %s at %s", identity, pending, why)
 
 
-def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> DellBios:
-    """Replace sushy-tools' BIOS views by iDRAC-like ones (see the module docstring)."""
-    dell = DellBios(system_names)
-    key = dell.id_of
+def install_bios(
+    app,
+    system_names: list[str],
+    reset_types: list[str],
+    flavour: Flavour,
+    second_patch: str,
+    processor_model: str,
+) -> PendingBios:
+    """Replace sushy-tools' BIOS views by iDRAC- or iLO-like ones (see the module docstring)."""
+    bios_state = PendingBios(system_names, flavour)
+    key = bios_state.id_of
+    jobs = itertools.count(int(time.time()))
 
     def json_view(endpoint, edit):
         original = app.view_functions[endpoint]
@@ -267,30 +446,43 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
         app.view_functions[endpoint] = view
 
     def root(data):
-        data["Vendor"] = "Dell"
+        data["Vendor"] = flavour.vendor
 
     def system(data, identity):
+        data["Manufacturer"] = flavour.manufacturer
+        summary = data.setdefault("ProcessorSummary", {})
+        summary["Count"] = 2
+        if processor_model:
+            summary["Model"] = processor_model
         reset = data.get("Actions", {}).get("#ComputerSystem.Reset")
         if reset is not None:
             reset["ResetType@Redfish.AllowableValues"] = reset_types
 
     def bios(data, identity):
-        data["AttributeRegistry"] = REGISTRY_NAME
+        data["AttributeRegistry"] = flavour.registry_name
 
     json_view("root_resource", root)
     json_view("system_resource", system)
     json_view("bios", bios)
 
     def registry_file(data):
-        data["Location"] = [{"Language": "en", "Uri": REGISTRY_URI}]
+        data["Id"] = data["Registry"] = flavour.registry_name
+        uri = {"extref": flavour.registry_uri} if flavour.ilo else flavour.registry_uri
+        data["Location"] = [{"Language": "en", "Uri": uri}]
 
     json_view("bios_attribute_registry_file", registry_file)
+    if flavour.registry_name != SUSHY_REGISTRY_NAME:  # sushy-tools serves only its own registry file
+        app.add_url_rule(
+            f"/redfish/v1/Registries/{flavour.registry_name}",
+            "flavour_registry_file",
+            lambda: app.view_functions["bios_attribute_registry_file"](),
+        )
 
-    @app.route(REGISTRY_URI)
+    @app.route(flavour.registry_uri)
     def bios_registry_entries():
-        # One registry for the BMC, as on iDRAC; its ReadOnly flags follow the lab system's current values.
+        # One registry for the BMC; its ReadOnly flags follow the lab system's current values.
         current = app.systems.get_bios(system_uuid(system_names[0]))
-        return flask.Response(json.dumps(registry(current)), content_type="application/json")
+        return flask.Response(json.dumps(registry(flavour, current)), content_type="application/json")
 
     original_settings = app.view_functions["bios_settings"]
 
@@ -300,24 +492,32 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
             if response.status_code != 200:
                 return response
             data = json.loads(response.get_data())
-            with dell.lock:
-                data["Attributes"] = dict(dell.pending.get(key(identity), {}))
-            data["Actions"] = {
-                "Oem": {
-                    "#DellManager.ClearPending": {
-                        "target": f"/redfish/v1/Systems/{identity}/BIOS/Settings/Actions/Oem/DellManager.ClearPending"
-                    }
-                }
-            }
+            with bios_state.lock:
+                pending = dict(bios_state.pending.get(key(identity), {}))
+            if flavour.ilo:
+                # iLO shows the whole state the next boot applies; no action clears it (PATCH values back).
+                data["Attributes"] = {**app.systems.get_bios(identity), **pending}
+                data.pop("Actions", None)
+            else:
+                data["Attributes"] = pending  # iDRAC shows only the pending values
+                target = f"/redfish/v1/Systems/{identity}/BIOS/Settings/Actions/Oem/DellManager.ClearPending"
+                data["Actions"] = {"Oem": {"#DellManager.ClearPending": {"target": target}}}
             data["@Redfish.SettingsApplyTime"] = {"ApplyTime": "OnReset"}
             return flask.Response(json.dumps(data), content_type="application/json")
         body = flask.request.get_json(silent=True) or {}
         attributes = body.get("Attributes")
         current = app.systems.get_bios(identity)
-        with dell.lock:
-            refused = refuse_patch(current, dell.pending.get(key(identity), {}), attributes)
+        with bios_state.lock:
+            pending = bios_state.pending.get(key(identity), {})
+            refused = refuse_patch(flavour, current, pending, attributes, second_patch)
             if refused is None:
-                dell.pending[key(identity)] = {name: str(value) for name, value in attributes.items()}
+                merged = {**pending, **{name: str(value) for name, value in attributes.items()}}
+                # A value equal to the current one is no change: iLO drops it from the future state.
+                merged = {name: value for name, value in merged.items() if value != str(current[name])}
+                if merged:
+                    bios_state.pending[key(identity)] = merged
+                else:
+                    bios_state.pending.pop(key(identity), None)
         if refused is not None:
             LOG.info("system %s: PATCH of BIOS/Settings %s refused: %s", identity, attributes, refused[1])
             return redfish_error(400, *refused)
@@ -327,9 +527,18 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
             attributes,
             body.get("@Redfish.SettingsApplyTime", {}).get("ApplyTime", "none given"),
         )
+        if flavour.ilo:
+            info = {
+                "MessageId": "iLO.2.15.SystemResetRequired",
+                "Message": "One or more properties were changed.",
+            }
+            return flask.Response(
+                json.dumps({"error": {"code": "iLO.0.10.ExtendedInfo", "@Message.ExtendedInfo": [info]}}),
+                status=200,
+                content_type="application/json",
+            )
         return flask.Response(
-            status=202,
-            headers={"Location": f"/redfish/v1/Managers/iDRAC.Embedded.1/Jobs/JID_{int(time.time())}"},
+            status=202, headers={"Location": f"/redfish/v1/Managers/iDRAC.Embedded.1/Jobs/JID_{next(jobs)}"}
         )
 
     app.view_functions["bios_settings"] = bios_settings
@@ -338,12 +547,14 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
         "/redfish/v1/Systems/<identity>/BIOS/Settings/Actions/Oem/DellManager.ClearPending", methods=["POST"]
     )
     def bios_clear_pending(identity):
+        if flavour.ilo:
+            flask.abort(404)
         app.systems.get_bios(identity)  # 404 for an unknown system
-        with dell.lock:
-            dropped = dell.pending.pop(key(identity), None)
+        with bios_state.lock:
+            dropped = bios_state.pending.pop(key(identity), None)
         if not dropped:
             return redfish_error(400, "IDRAC.2.8.SYS046", "There are no pending values to be cleared.")
-        LOG.info("system %s: pending BIOS values %s cleared", identity, dropped)
+        LOG.info("system %s: pending BIOS values %s cleared (and their job deleted)", identity, dropped)
         return flask.Response(status=200)
 
     original_reset = app.view_functions["system_reset_action"]
@@ -360,7 +571,7 @@ def install_dell_bios(app, system_names: list[str], reset_types: list[str]) -> D
         return original_reset(identity)
 
     app.view_functions["system_reset_action"] = system_reset_action
-    return dell
+    return bios_state
 
 
 class Qmp:
@@ -430,7 +641,7 @@ def watch_resets(path: str, on_reset) -> None:
 RESTARTS = ("ForceRestart", "GracefulRestart", "PowerCycle", "On", "ForceOn")
 
 
-def wire_power(dell: DellBios, qmp: Qmp | None, system_name: str, events: bool) -> None:
+def wire_power(dell: PendingBios, qmp: Qmp | None, system_name: str, events: bool) -> None:
     """Forward the VM's power actions to QEMU; apply pending BIOS values when a system resets (for the VM:
     at QEMU's RESET event when events are watched, else at the Redfish action)."""
     original = libvirtdriver.LibvirtDriver.set_power_state
@@ -494,6 +705,19 @@ def main(argv: list[str] | None = None) -> int:
         default="On,ForceOff,GracefulShutdown,ForceRestart,Nmi",
         help="ResetType values the systems offer (default: no GracefulRestart, like many iDRAC 9)",
     )
+    parser.add_argument(
+        "--flavour", choices=sorted(FLAVOURS), default="dell-intel", help="BMC and BIOS family (FLAVOURS)"
+    )
+    parser.add_argument(
+        "--idrac-second-patch",
+        choices=["refuse", "append"],
+        default="refuse",
+        help="iDRAC firmware's answer to a PATCH while a BIOS job is scheduled: refuse (SYS011, older) or append",
+    )
+    parser.add_argument(
+        "--processor-model",
+        help="the system's ProcessorSummary.Model (default: the flavour's; empty: not reported)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -516,7 +740,15 @@ def main(argv: list[str] | None = None) -> int:
         keeper.defineXML(domain_xml(name, args.memory_mib, bios_attributes)).create()
 
     app = sushy_main.app
-    dell = install_dell_bios(app, systems, [value for value in args.reset_types.split(",") if value])
+    flavour = FLAVOURS[args.flavour]
+    dell = install_bios(
+        app,
+        systems,
+        [value for value in args.reset_types.split(",") if value],
+        flavour,
+        args.idrac_second_patch,
+        flavour.processor_model if args.processor_model is None else args.processor_model,
+    )
     wire_power(
         dell,
         Qmp(args.qmp_socket) if args.qmp_socket else None,

@@ -120,13 +120,81 @@ def test_plan_with_the_profile_already_pending_stages_nothing():
 
 def test_plan_with_other_values_pending_stops_unless_replacing():
     wanted = {"ProcCStates": "Disabled", "SysProfile": "Custom"}
-    for pending in ({"BootMode": "Uefi"}, {"SysProfile": "Custom"}):  # someone else's; or only part of ours
-        plan = filters.bigmem_bios_plan(wanted, CURRENT, pending, DEPENDENCIES)
-        assert plan["conflict"] and not plan["clear_first"] and plan["stage"] == {}
+    for can_clear in (True, False):
+        plan = filters.bigmem_bios_plan(wanted, CURRENT, {"BootMode": "Uefi"}, DEPENDENCIES, False, can_clear)
+        assert plan["conflict"] and plan["blocked"] and not plan["clear_first"] and plan["stage"] == {}
+        assert plan["before"] == plan["after"]
     plan = filters.bigmem_bios_plan(wanted, CURRENT, {"BootMode": "Uefi"}, DEPENDENCIES, True)
-    assert plan["foreign"] == {"BootMode": "Uefi"} and plan["clear_first"]
+    assert plan["foreign"] == {"BootMode": "Uefi"} and plan["clear_first"] and not plan["blocked"]
     assert list(plan["stage"]) == ["SysProfile", "ProcCStates"]
     assert plan["before"]["BootMode"] == "Uefi" and plan["after"]["BootMode"] == "Bios"  # cleared
+    # Nothing to clear them with (iLO): replacing cannot be done, the play stops.
+    plan = filters.bigmem_bios_plan(wanted, CURRENT, {"BootMode": "Uefi"}, DEPENDENCIES, True, False)
+    assert plan["blocked"] and plan["stage"] == {}
+
+
+def test_plan_with_part_of_the_profile_pending_stages_it_whole():
+    """An earlier run staged part of the profile: with ClearPending (iDRAC), clear and stage all the changes (Dell's
+    idrac_bios module merges pending and new values, deletes the job, patches again); without (iLO merges PATCHes),
+    stage the rest."""
+    wanted = {"ProcCStates": "Disabled", "SysProfile": "Custom"}
+    plan = filters.bigmem_bios_plan(wanted, CURRENT, {"SysProfile": "Custom"}, DEPENDENCIES)
+    assert plan["extend"] and plan["clear_first"] and not plan["conflict"] and not plan["already_pending"]
+    assert list(plan["stage"]) == ["SysProfile", "ProcCStates"]
+    assert plan["after"] == {"SysProfile": "Custom", "ProcCStates": "Disabled"}
+    plan = filters.bigmem_bios_plan(
+        wanted, CURRENT, {**CURRENT, "SysProfile": "Custom"}, DEPENDENCIES, False, False
+    )
+    assert plan["extend"] and not plan["clear_first"] and plan["stage"] == {"ProcCStates": "Disabled"}
+    assert plan["before"]["SysProfile"] == "Custom" and plan["after"]["ProcCStates"] == "Disabled"
+
+
+PROFILES = {
+    "dell_intel": {"SysProfile": "Custom", "SubNumaCluster": "Disabled"},
+    "dell_amd": {"SysProfile": "Custom", "NumaNodesPerSocket": "1"},
+    "hpe_intel": {"ProcTurbo": "Enabled"},
+    "hpe_amd": {"ProcAMDBoost": "Enabled"},
+    "generic": {},
+}
+
+
+@pytest.mark.parametrize(
+    "vendor, system, names, requested, picked",
+    [
+        ("dell", {"ProcessorSummary": {"Model": "AMD EPYC 9654 96-Core Processor"}}, [], "", "dell_amd"),
+        ("dell", {"ProcessorSummary": {"Model": "Intel(R) Xeon(R) Gold 6338"}}, [], "", "dell_intel"),
+        ("hpe", {"Manufacturer": "HPE", "ProcessorSummary": {"Model": "AMD EPYC 9554"}}, [], "", "hpe_amd"),
+        # No CPU model: the one profile of the vendor whose attributes the BIOS all offers.
+        ("dell", {}, ["SysProfile", "NumaNodesPerSocket", "BootMode"], "", "dell_amd"),
+        ("hpe", {"ProcessorSummary": {}}, ["ProcTurbo"], "", "hpe_intel"),
+        # Named: bigmem_bios_profile wins over the system; bmc_vendor that is a profile's key is one.
+        ("dell", {"ProcessorSummary": {"Model": "AMD EPYC"}}, [], "dell_intel", "dell_intel"),
+        ("generic", {"Manufacturer": "Dell Inc."}, [], "", "generic"),
+    ],
+)
+def test_pick_profile(vendor, system, names, requested, picked):
+    pick = filters.bigmem_bios_pick_profile(PROFILES, vendor, system, names, requested)
+    assert pick["name"] == picked and pick["error"] == "", pick
+
+
+def test_pick_profile_errors():
+    pick = filters.bigmem_bios_pick_profile(PROFILES, "dell", {"Manufacturer": "HPE"}, [], "")
+    assert pick["name"] == "" and "set bmc_vendor=hpe" in pick["error"]
+    pick = filters.bigmem_bios_pick_profile(PROFILES, "dell", {}, ["SysProfile"], "")
+    assert pick["name"] == "" and "set bigmem_bios_profile" in pick["error"]
+    pick = filters.bigmem_bios_pick_profile(PROFILES, "dell", {}, [], "dell_arm")
+    assert "dell_arm is not a key" in pick["error"]
+
+
+def test_unknown_names_the_source_and_what_to_set_instead():
+    current = {"SysProfile": "Custom", "NumaNodesPerSocket": "4"}
+    wanted = {**PROFILES["dell_intel"], "Foo": "1"}
+    text = filters.bigmem_bios_unknown(
+        wanted, current, "dell_intel", PROFILES["dell_intel"], {"Foo": "1"}, PROFILES
+    )
+    assert "SubNumaCluster (from profile dell_intel), Foo (from bigmem_bios_attributes)" in text
+    assert "bigmem_bios_profile=dell_amd, which sets NumaNodesPerSocket=1" in text
+    assert filters.bigmem_bios_unknown(PROFILES["dell_amd"], current, "dell_amd", {}, {}, PROFILES) == ""
 
 
 def test_member_uris():
