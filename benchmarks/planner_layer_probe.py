@@ -49,6 +49,21 @@ def _release_and_reset() -> None:
     reset_peak()
 
 
+def tcmalloc_stats() -> dict[str, int]:
+    """gperftools' heap counters (bytes) when tcmalloc is preloaded, else {}."""
+    import ctypes
+
+    try:
+        get = ctypes.CDLL(None).MallocExtension_GetNumericProperty
+    except (OSError, AttributeError):
+        return {}
+    get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_size_t)]
+    value = ctypes.c_size_t(0)
+    if not get(b"generic.current_allocated_bytes", ctypes.byref(value)):
+        return {}
+    return {"current_allocated_bytes": int(value.value)}
+
+
 def probe(layers: list[str], shape: tuple[int, int, int], channels: int, precision: str = "float32") -> None:
     """The child's side: one JSON line per layer with the rise in MiB of each call at batch 1 and 2."""
     import gc
@@ -58,7 +73,6 @@ def probe(layers: list[str], shape: tuple[int, int, int], channels: int, precisi
 
     from bigmem_train.memory.calibrate import status_bytes
     from bigmem_train.model.unet import batch_norm_layer
-    from bigmem_train.train.heap_limit import tcmalloc_stats
 
     tf.config.threading.set_intra_op_parallelism_threads(int(os.environ.get("PROBE_INTRA", "2")))
     # As a single-host run does: every op inline in the calling thread (launch.INLINE_OPS).

@@ -30,7 +30,6 @@ def test_runtime_defaults_are_the_measured_winners():
     assert runtime.onednn is True  # stock TF leaves oneDNN off on AVX2-only CPUs: 3-4x slower
     assert runtime.allocator == "tcmalloc"  # fastest and lowest peak of glibc/jemalloc/tcmalloc here
     assert runtime.precision == "float32"  # no AVX512_BF16/AMX here: mixed_bfloat16 is slower
-    assert runtime.xla is False  # XLA's CPU convolutions are Eigen's, not oneDNN's
     assert Config().model.recompute is False  # a memory lever, not a speed lever: opt-in
     assert runtime.tensor_allocator == "system"  # TensorFlow's BFC pool fragments at the study's scale
     assert runtime.inline_ops is True  # the same job peaks the same in every run, at the same speed
@@ -88,7 +87,6 @@ def test_the_benchmark_measures_the_defaults():
     runtime = Config().runtime
     assert throughput.CHOSEN["allocator"] == runtime.allocator
     assert throughput.CHOSEN["precision"] == runtime.precision
-    assert throughput.CHOSEN["xla"] == runtime.xla
     assert throughput.CHOSEN["recompute"] == Config().model.recompute
     assert throughput.CHOSEN["onednn"] == runtime.onednn
     assert (throughput.CHOSEN["intra"], throughput.CHOSEN["inter"]) == (None, None)  # launch.choose_threads
