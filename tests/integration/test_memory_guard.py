@@ -28,6 +28,9 @@ from tests.fixtures.cgroups import MemoryCgroup, tenant_command, why_not
 from tests.fixtures.common import write_tiny_job
 from tests.integration.conftest import bigmem
 
+# Trains for real.
+pytestmark = pytest.mark.slow
+
 GIB = 1024**3
 MIB = 1024**2
 GUARDED_EPOCHS = 60

@@ -231,23 +231,12 @@ def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
     ).is_file()
 
 
-def _docker_image_present(image: str) -> bool:
-    try:
-        return (
-            subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode
-            == 0
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.docker
-def test_container_job_over_ssh(inventory, tmp_path):
-    """The default mode: a detached hardened container on the host, its log, status and run directory."""
-    image = os.environ.get("BIGMEM_TRAIN_IMAGE", "bigmem-train")
-    if not _docker_image_present(image):
-        pytest.skip(f"needs a Docker daemon with the {image} image (docker/build-image.sh)")
+def test_container_job_over_ssh(inventory, tmp_path, bigmem_image):
+    """The default mode: a detached hardened container on the host, its log, status and run directory.
+    The image is the suite's own (docker_daemon.bigmem_image: built from this checkout, or BIGMEM_TEST_IMAGE)."""
+    image = bigmem_image
     config = write_tiny_job(tmp_path / "tiny.yaml", epochs=2)
     try:
         started = remote(
