@@ -123,6 +123,24 @@ def _status(inventory, name):
     return json.loads(result.stdout)
 
 
+def _session(session_id: int) -> dict[int, str]:
+    """The live processes of session ``session_id`` (PID -> command line), from /proc."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        # fields: state, ppid, pgrp, session; a zombie is gone already (only its parent's wait is left).
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            members[int(entry.name)] = command.strip()
+    return members
+
+
 def test_stop_ends_the_whole_job(inventory, tmp_path):
     config = write_tiny_job(tmp_path / "long.yaml", epochs=500)
     started = remote("start", "lab", "--config", config, "--name", "long", "--no-docker", inventory=inventory)
@@ -133,10 +151,23 @@ def test_stop_ends_the_whole_job(inventory, tmp_path):
     again = remote("start", "lab", "--config", config, "--name", "long", "--no-docker", inventory=inventory)
     assert again.returncode == 2 and "already running" in one_line(again)
 
+    # The job is a session (setsid): its leader, the shell, and the training process below them. Read from
+    # /proc, not from the kit: wait until the training process has started.
+    deadline = time.monotonic() + 120
+    while not any(
+        "bigmem_train" in command or "bigmem-train" in command for command in _session(job["pid"]).values()
+    ):
+        assert time.monotonic() < deadline, (
+            f"no training process in the job's session: {_session(job['pid'])}"
+        )
+        time.sleep(0.5)
+    members = _session(job["pid"])
+    assert len(members) >= 2, members
+
     stopped = remote("stop", "lab", "long", "--grace", "5", inventory=inventory)
     assert stopped.returncode == 0 and "long on lab: stopped" in stopped.stdout, stopped.stderr
-    with pytest.raises(ProcessLookupError):
-        os.kill(job["pid"], 0)
+    # Every process of the job is gone when stop returns (before the fixture's teardown kills the group).
+    assert _session(job["pid"]) == {}, f"left running after stop: {_session(job['pid'])} (were {members})"
     assert _status(inventory, "long")["state"] == "stopped"
     assert "not running" in remote("stop", "lab", "long", inventory=inventory).stdout
 
