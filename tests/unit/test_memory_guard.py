@@ -188,7 +188,9 @@ def test_sampler_walks_page_tables_rarely_and_counts_its_cpu(tmp_path):
         time.sleep(0.5)
     assert sampler.samples >= 10 and len(seen) == sampler.samples
     assert sampler.walks == 2  # the first sample and the last one
-    assert 0 < sampler.cpu_seconds < 0.5
+    # The budget the sampler promises (monitor.py): far below 1 % of a core at its default interval of
+    # 0.25 s, so a sample's own CPU time (the two page-table walks included) stays under 1 % of 0.25 s.
+    assert 0 < sampler.cpu_seconds / sampler.samples < 0.01 * 0.25, (sampler.cpu_seconds, sampler.samples)
     rows = read_memory_csv(tmp_path / "memory.csv")
     assert len(rows) == sampler.samples
     header = (tmp_path / "memory.csv").read_text().splitlines()[0].split(",")
