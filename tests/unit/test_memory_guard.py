@@ -372,3 +372,27 @@ def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_
     assert all(edge <= limit for edge, limit in zip(fitting_shape, shape))
     assert recorded_planner(config, 1, fitting_shape) + shift <= allowed
     assert largest_fitting_job(config, None, measured, usable) == (0, None)
+
+
+def test_a_guard_stop_killed_on_its_way_out_is_said_whole(tmp_path):
+    from bigmem_train.verdict.postmortem import after_memory_stop
+
+    (tmp_path / "plan.json").write_text(json.dumps({"peak_bytes": GIB}))
+    counter = tmp_path / "memory.oom_control"
+    counter.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    child = subprocess.Popen(["true"])
+    child.wait()
+    stopped = {
+        **process_identity(),
+        "pid": child.pid,
+        "state": "stopped",
+        "stopped": "memory",
+        "leaving": True,
+        "message": "memory guard stopped the run",
+        "cgroup": {"version": 1, "oom_kills": 0, "oom_counter_file": str(counter), "limit_bytes": GIB},
+    }
+    ending = after_memory_stop(tmp_path, stopped)
+    assert ending.cause == "oom" and "oom_kill went from 0 to 1" in ending.evidence
+    # Left cleanly (everything written), or still on its way out: the stop alone.
+    assert after_memory_stop(tmp_path, {**stopped, "leaving": False}) is None
+    assert after_memory_stop(tmp_path, {**stopped, "pid": os.getpid(), **process_identity()}) is None

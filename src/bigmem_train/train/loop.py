@@ -263,7 +263,7 @@ def train(
         callbacks.append(keras.callbacks.TensorBoard(str(run_dir / "tensorboard"), update_freq="epoch"))
     if guard is not None:
         # After the step timer, so the step that tripped it is recorded.
-        callbacks.insert(2, guard_callback(guard, backup, config, run_dir.name))
+        callbacks.insert(2, guard_callback(guard, backup, config, run_dir))
     if is_chief:
         callbacks.append(
             progress_callback(config.training.epochs, datasets.train_steps, plan.peak_bytes if plan else None)

@@ -201,6 +201,19 @@ def diagnose(run_dir: Path, state: dict[str, Any]) -> Ending | None:
     when it ended with a record, or when this host cannot tell (another PID namespace and no container)."""
     if state.get("state") != "running":
         return None
+    return _ending_of_gone_process(run_dir, state)
+
+
+def after_memory_stop(run_dir: Path, state: dict[str, Any]) -> Ending | None:
+    """How a run the memory guard stopped ended, when its process is gone without having written the rest
+    (state.json ``leaving``): memory that kept growing past the stop can get it killed by the OOM killer on
+    its way out, checkpoint saved. None when it left cleanly, still runs, or this host cannot tell."""
+    if state.get("stopped") != "memory" or not state.get("leaving"):
+        return None
+    return _ending_of_gone_process(run_dir, state)
+
+
+def _ending_of_gone_process(run_dir: Path, state: dict[str, Any]) -> Ending | None:
     boot_id = (
         Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         if Path("/proc/sys/kernel/random/boot_id").exists()

@@ -189,7 +189,9 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
     (run_dir / "config.yaml").write_text(resolved)
     # A resumed run drops what the last session ended with (the guard's stop, an error).
     state = {
-        key: value for key, value in read_state(run_dir).items() if key not in {"stopped", "error", "guard"}
+        key: value
+        for key, value in read_state(run_dir).items()
+        if key not in {"stopped", "error", "guard", "leaving"}
     }
     if state:
         write_json(run_dir / STATE_FILE, state)
