@@ -137,7 +137,7 @@ def test_preflight_plans_a_multi_worker_job_per_host(tmp_path: Path):
     # it, fails). How close the planner's figures are to what a worker really holds is measured by the
     # two-worker run's own verdict (test_multi_worker.py: the chief's plan criterion, measured peak within
     # footprint.tolerance of its plan).
-    whole_said = [float(value) for value in re.findall(r"job ([0-9.]+) GiB \(the planned peak", text)]
+    whole_said = [float(value) for value in re.findall(r"needs ([0-9.]+) GiB \(the planned peak", text)]
     assert whole_said, single.stdout[-3000:]
     assert 0.5 * whole_said[0] < checked[0] < 0.65 * whole_said[0], (checked, whole_said)
 
