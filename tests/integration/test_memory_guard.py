@@ -185,10 +185,11 @@ def test_oom_kill_is_named_by_validate(tmp_path, version):
 def test_a_guard_stop_under_memory_that_keeps_growing_is_said_whole(tmp_path, version):
     """Issue 41 item 15: a 1 GiB cgroup shared with a process that keeps growing (50 MiB every 0.2 s,
     protected from the OOM killer) while the job trains. The guard trips, saves its checkpoint and records
-    the stop at once, and the process leaves at once (no TensorFlow teardown). Measured here it then exits 3
-    before the OOM killer comes; where the killer does come first on the way out (a slower exit), the verdict
-    must say both: the branch taken is decided by the cgroup's own OOM counter, and the wording of the kill
-    is also checked without a race in tests/unit/test_memory_guard.py. Either way the checkpoint resumes."""
+    the stop at once, and the process leaves at once (no TensorFlow teardown), while memory goes on growing
+    to the limit. Measured here it exits 3 before the OOM killer comes; where the killer does come on the
+    way out (a slower exit), the verdict must say both: which branch is decided by the cgroup's own OOM
+    counter, and the wording of the kill is also checked without a race in tests/unit/test_memory_guard.py.
+    Either way the checkpoint resumes."""
     reason = why_not(version)
     if reason:
         pytest.skip(f"cgroup v{version}: {reason}")
@@ -205,8 +206,11 @@ def test_a_guard_stop_under_memory_that_keeps_growing_is_said_whole(tmp_path, ve
             cgroup,
         )
         # From the first finished epoch on (history.csv: its header and one row).
+        # 50 MiB every 0.2 s, slowed across the guard's threshold (0.9) only: 0.85-0.93 of the limit.
         grower = _popen(
-            [sys.executable, "-c", GROWER, str(run_dir / "history.csv"), "2", "50", "0.2"], cgroup
+            [sys.executable, "-c", GROWER, str(run_dir / "history.csv"), "2", "50", "0.2"]
+            + [str(cgroup.limit_bytes), "0.85", "0.93"],
+            cgroup,
         )
         try:
             stdout, stderr = trainer.communicate(timeout=600)
