@@ -12,8 +12,7 @@ threads, the kernels' worker threads, Python's cyclic collector) or where the he
 "What parts the runs").
 
 Each variant runs the job as the planner's sweep does (``measure_run``: `bigmem-train train`, two epochs of
-two steps with validation, checkpoints, TensorBoard and the sampler) with ``runtime.heap_limit: off`` unless
-``--hold`` asks for the kit's heap limit (heap_limit.py), one run at a time, variants interleaved
+two steps with validation, checkpoints, TensorBoard and the sampler) , one run at a time, variants interleaved
 (A B C A B C ...) so that drift in the machine's load falls on all of them. THP modes are switched through
 ``/sys/kernel/mm/transparent_hugepage/enabled`` (root) and put back as they were at the end.
 
@@ -39,7 +38,7 @@ from bigmem_train.memory.estimate import estimate
 
 GIB = 2**30
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-# name -> (runtime.allocator, THP mode, extra environment); --hold variants also set runtime.heap_limit
+# name -> (runtime.allocator, THP mode, extra environment)
 VARIANTS: dict[str, tuple[str, str, dict[str, str]]] = {
     "tcmalloc, THP madvise": ("tcmalloc", "madvise", {}),
     "tcmalloc, THP always": ("tcmalloc", "always", {}),
@@ -120,14 +119,6 @@ RUNTIME_VARIANTS[NO_GC] = RUNTIME_VARIANTS[ONE_ORDER]
 NO_GC_ENV = {"PYTHONPATH": str(NO_GC_SITE)}
 VARIANTS[NO_GC] = ("tcmalloc", "madvise", NO_GC_ENV)
 VARIANTS["tcmalloc, no cyclic GC"] = ("tcmalloc", "madvise", NO_GC_ENV)
-# The kit's opt-in middle (runtime.python_gc: step, collect.py): the collector at each step's end, with the
-# default threads, and with the reader on demand as well.
-STEP_GC = "tcmalloc, collector at step ends (runtime.python_gc step)"
-STEP_GC_ON_DEMAND = "tcmalloc, reader in the step, collector at step ends"
-RUNTIME_VARIANTS[STEP_GC] = {"python_gc": "step"}
-RUNTIME_VARIANTS[STEP_GC_ON_DEMAND] = {"python_gc": "step"}
-DATA_VARIANTS[STEP_GC_ON_DEMAND] = DATA_VARIANTS[ONE_ORDER]
-VARIANTS.update({name: ("tcmalloc", "madvise", {}) for name in (STEP_GC, STEP_GC_ON_DEMAND)})
 # name -> output settings, as DATA_VARIANTS.
 OUTPUT_VARIANTS: dict[str, dict[str, object]] = {}
 # name -> validation cases of the whole run (measure_run's default: one, a validation batch of one sample).
@@ -149,33 +140,27 @@ def derive(name: str, base: str, runtime=None, data=None, output=None, validatio
     return name
 
 
-# The one-order recipe with the collector kept, run by the kit at step ends instead of switched off.
-STEP_GC_ONE_ORDER = derive(
-    "tcmalloc, reader in the step, one intra-op thread, collector at step ends",
-    ONE_ORDER,
-    runtime={"python_gc": "step"},
-)
+# The one-order recipe's own variants (the collector at step ends, runtime.python_gc, was removed by the
+# knob review: it did not end the parting; docs/planner.md).
 # Runs of the recipe above part at the first step after the first validation and checkpoints; TensorBoard's
 # event writer is one party there that is not the step's.
-derive(f"{STEP_GC_ONE_ORDER}, no TensorBoard", STEP_GC_ONE_ORDER, output={"tensorboard": False})
+derive(f"{ONE_ORDER}, no TensorBoard", ONE_ORDER, output={"tensorboard": False})
 # ... and TensorFlow's executor held to one inter-op thread instead of running ops inline (which still ran
 # them on two threads, partly side by side): every op of the step, one at a time, in one thread.
 derive(
-    f"{STEP_GC_ONE_ORDER}, one inter-op thread",
-    STEP_GC_ONE_ORDER,
+    f"{ONE_ORDER}, one inter-op thread",
+    ONE_ORDER,
     runtime={"inline_ops": False, "inter_op_threads": 1},
 )
 # ... with the ops inline but the kit's memory sampler (a Python thread reading /proc) all but off: one
 # sample a minute. Its peak is then a lower bound; the end state (what the run keeps mapped) still shows.
-derive(
-    f"{STEP_GC_ONE_ORDER}, one memory sample a minute", STEP_GC_ONE_ORDER, output={"sample_interval": 60.0}
-)
+derive(f"{ONE_ORDER}, one memory sample a minute", ONE_ORDER, output={"sample_interval": 60.0})
 # ... with validation batches the size of the training batch. The whole run validates one case, so its
 # validation pass runs the forward pass at batch 1 between training steps at the job's batch: tensors of a
 # third (at batch 3) of the training step's sizes, which tcmalloc may cut from the large freed spans the
 # next training step would reuse. ``--job``'s batch cases validate here, one full batch.
-FULL_VALIDATION_BATCH = f"{STEP_GC_ONE_ORDER}, validation a full batch"
-derive(FULL_VALIDATION_BATCH, STEP_GC_ONE_ORDER)
+FULL_VALIDATION_BATCH = f"{ONE_ORDER}, validation a full batch"
+derive(FULL_VALIDATION_BATCH, ONE_ORDER)
 
 # Where the heap's memory comes from. gperftools grows its page heap with sbrk and falls back to mmap when
 # the break cannot grow; a freed span merges only with a span at the next address, so whether two growths
@@ -217,12 +202,6 @@ def main() -> int:
         default=[],
         help="also run tcmalloc (THP as found) with TCMALLOC_HEAP_LIMIT_MB at this many MiB (repeatable)",
     )
-    parser.add_argument(
-        "--hold",
-        action="append",
-        default=[],
-        help="also run the kit's default allocator with runtime.heap_limit at this value (repeatable)",
-    )
     parser.add_argument("--json", type=Path, help="write every run here")
     parser.add_argument(
         "--keep", type=Path, help="copy each run's memory.csv and steps.csv here (one folder per run)"
@@ -235,10 +214,6 @@ def main() -> int:
     for limit in args.heap_limit_mib:
         name = f"tcmalloc, heap limit {limit} MiB"
         VARIANTS[name] = ("tcmalloc", thp_mode(), {"TCMALLOC_HEAP_LIMIT_MB": str(limit)})
-        args.variants.append(name)
-    held = {f"tcmalloc, runtime.heap_limit {value}": value for value in args.hold}
-    for name in held:
-        VARIANTS[name] = ("tcmalloc", thp_mode(), {})
         args.variants.append(name)
     x, y, z, batch, filters = args.job
     config = job_config(
@@ -266,11 +241,7 @@ def main() -> int:
                 allocator, mode, extra = VARIANTS[name]
                 THP.write_text(mode)
                 ASLR.write_text("0" if name == NO_ASLR else original_aslr)
-                runtime = {
-                    "allocator": allocator,
-                    "heap_limit": held.get(name, "off"),
-                    **RUNTIME_VARIANTS.get(name, {}),
-                }
+                runtime = {"allocator": allocator, **RUNTIME_VARIANTS.get(name, {})}
                 run_config = config.model_copy(
                     update={
                         "runtime": config.runtime.model_copy(update=runtime),
@@ -307,7 +278,6 @@ def main() -> int:
                     "thp_at_peak_gib": round(metrics.get("peak_anon_hugepages_bytes", 0) / GIB, 3),
                     "step_seconds": metrics.get("median_step_seconds"),
                     "allocator": metrics.get("allocator"),
-                    "held": metrics.get("heap_limit"),
                     "load_before": round(load, 2),
                     "load_after": round(os.getloadavg()[0], 2),
                     "time": time.strftime("%H:%M:%S"),

@@ -6,7 +6,7 @@ repetition by repetition so that load from other work on the machine hits both a
 
     python benchmarks/throughput.py                       # everything: ~25 min on a loaded 2-core VM
     python benchmarks/throughput.py --sections main       # only reference vs bigmem-train
-    python benchmarks/throughput.py --sections levers --levers recompute "XLA jit_compile"
+    python benchmarks/throughput.py --sections levers --levers recompute mixed_bfloat16
 
 Writes ``benchmarks/results/throughput.json`` and ``throughput.png`` (``--out``). Per run: median
 wall-clock step time (after warm-up steps, which include tracing), voxels per second, process CPU
@@ -57,7 +57,6 @@ def chosen_settings() -> dict:
         "precision": config.runtime.precision,
         "recompute": config.model.recompute,
         "fold_upsampling": config.model.fold_upsampling,
-        "xla": config.runtime.xla,
     }
 
 
@@ -82,7 +81,6 @@ LEVERS = {
     # convolution into one transposed convolution (upconv.py, same mathematics; AVX-512 CPUs); this is the
     # unfolded arrangement, as a plain Keras script has it.
     "upsampling unfolded (model.fold_upsampling: false)": {"fold_upsampling": False},
-    "XLA jit_compile": {"xla": True},
     # oneDNN lets float32 convolutions compute in bfloat16 (AMX / AVX512_BF16) when this is set; on CPUs
     # without them it changes nothing. Numerics change (like TF32 on GPUs): opt-in, measured on its own.
     "oneDNN fpmath bf16 (ONEDNN_DEFAULT_FPMATH_MODE=BF16)": {"env": {"ONEDNN_DEFAULT_FPMATH_MODE": "BF16"}},
@@ -231,7 +229,6 @@ def worker_model(spec: dict) -> dict:
         settings = spec["settings"]
         runtime = {
             "precision": settings["precision"],
-            "xla": settings["xla"],
             "allocator": settings["allocator"],
             "tensor_allocator": settings.get("tensor_allocator", "bfc"),
         }

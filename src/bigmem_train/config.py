@@ -159,82 +159,104 @@ def _check_size_text(value: str, what: str, alternatives: str = "") -> None:
 
 
 class RuntimeConfig(_Section):
-    """How TensorFlow uses this host."""
+    """How TensorFlow uses this host.
 
-    # Threads inside one op; null = the host's physical cores (or the cores of the bound NUMA node).
-    intra_op_threads: int | None = Field(None, ge=1, le=4096)
-    # Ops run side by side; null = chosen for the host. Not used while inline_ops runs the ops.
-    inter_op_threads: int | None = Field(None, ge=1, le=64)
-    # TensorFlow's inter-op parallelism -1 ("run the ops in the calling thread"; under TensorFlow 2.21's
-    # function executor two threads still run ops, partly side by side: docs/design/planner.md, Accuracy). With an
-    # inter-op pool the study's tile peaked at 10.20, 10.26 and 11.66 GiB in three runs of one config, and
-    # at 10.64 GiB (+-0.05 %) in three runs with this, at the same step time (docs/design/planner.md). A
-    # multi-worker job keeps the pool (its collective ops need it).
-    inline_ops: bool = True
-    # "float32" or Keras mixed precision "mixed_bfloat16".
-    precision: Literal["float32", "mixed_bfloat16"] = "float32"
-    # Memory allocator preloaded by the container entrypoint and the CLI's launcher (LD_PRELOAD).
-    # tcmalloc: fastest and lowest peak of the three here (docs/design/performance.md).
-    allocator: Literal["glibc", "jemalloc", "tcmalloc"] = "tcmalloc"
-    # Where TensorFlow's oneDNN build puts tensors (TF_ONEDNN_USE_SYSTEM_ALLOCATOR): "system" hands each
-    # tensor to the allocator above; "bfc" is TensorFlow's default, a best-fit pool that keeps every
-    # region it ever grew. At the study's scale the pool fragments: a 224x224x144 batch-3 job planned at
-    # 19.6 GiB grew from 17.2 GiB in its first step to over 23 GiB in the next ones (OOM-killed in 4 of 6
-    # runs); with "system" the same job held 17.9 GiB (docs/design/planner.md).
-    tensor_allocator: Literal["system", "bfc"] = "system"
-    # Hand the allocator's free pages back to the kernel at the end of every epoch (release.py). Opt-in: it
-    # kept the study's tile at batch 3 from growing by one full-size tensor after its second validation
-    # (20.40 -> 19.68 GiB over 8 epochs), but the sweep's jobs of 2-12 GiB peaked 3-9 % higher with it in
-    # their second epoch, and it costs re-faulting the heap once an epoch (docs/design/planner.md).
-    release_between_epochs: bool = False
-    # Hold the run to its plan (heap_limit.py): "plan" caps tcmalloc's heap so that the process stays under the
-    # planned peak plus footprint.tolerance, handing freed pages back before the heap grows past it (no
-    # stranding tail of up to a sixth over the usual peak, for a few percent of the step while at the cap); a
-    # size ("64GiB", "80%" of the host) caps it there. Opt-in: a job whose tensors really need more fails at
-    # the allocation that does not fit, cleanly (exit 3) when TensorFlow's tensor is the one refused, with a
-    # segmentation fault when a kernel's own scratch memory is (docs/design/planner.md).
-    heap_limit: str = "off"
-    # Python's cyclic garbage collector: "auto" (Python's own, whenever allocations pass its threshold, from
-    # whichever thread) or "step": off during training, run at the end of every step and epoch, so what it
-    # frees goes back at the same point of every run (collect.py; docs/design/planner.md, "What parts the runs").
-    python_gc: Literal["auto", "step"] = "auto"
+    Every field says why a user would set it, with the measurement behind it (issue 37: a knob no
+    measurement shows helping a user is removed; see REMOVED_KEYS for those that were).
+    """
 
-    @field_validator("heap_limit", mode="before")
-    @classmethod
-    def _check_heap_limit(cls, value: Any) -> str:
-        if isinstance(value, bool):  # YAML 1.1 reads a bare `off` as false
-            value = "plan" if value else "off"
-        if not isinstance(value, str):
-            raise ValueError(f"{value!r}: 'plan', 'off' or a size such as 64GiB")
-        if value not in ("plan", "off"):
-            _check_size_text(value, "a heap limit", alternatives=" (or 'plan', or 'off')")
-        return value
-
-    # oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported). Stock TensorFlow only
-    # turns them on for CPUs with AVX512_VNNI/BF16 or AMX; on AVX2 it runs Eigen's convolutions, about
-    # 3-4x slower for this model (docs/design/performance.md), so bigmem-train asks for them explicitly.
-    onednn: bool = True
-    # NUMA placement: "auto" binds to one node when the job fits it, else interleaves.
-    numa_policy: Literal["auto", "bind", "interleave", "none"] = "auto"
-    # XLA JIT compilation of the train step.
-    xla: bool = False
+    intra_op_threads: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Threads inside one op; null = the host's physical cores (or those of the bound NUMA node): "
+        "at the study's tile one intra-op thread took 26.8 s a step against 21.0 s with two "
+        "(docs/results/performance.md, section 1).",
+    )
+    inter_op_threads: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="Ops run side by side by a multi-worker job (or a single-host one with inline_ops off); "
+        "null = chosen for the host: TensorFlow's default pool of 2 took 23.5 s a step at the tile against "
+        "21.0 s with the ops inline (docs/results/performance.md, section 1).",
+    )
+    inline_ops: bool = Field(
+        True,
+        description="Run a single-host job's ops in the calling thread (TensorFlow's inter-op parallelism -1): "
+        "with an inter-op pool the study's tile peaked at 10.20, 10.26 and 11.66 GiB in three runs, inline at "
+        "10.64 GiB (+-0.05 %) at the same step time (docs/design/planner.md, 'One op at a time'); a multi-worker job "
+        "keeps its pool, which its collective ops need.",
+    )
+    precision: Literal["float32", "mixed_bfloat16"] = Field(
+        "float32",
+        description="'mixed_bfloat16' (Keras mixed precision) changes the arithmetic for speed and memory where "
+        "the CPU has native bfloat16: at the study's tile on an AMX Xeon 0.57x the float32 step and 7,375 "
+        "against 8,394 MiB (docs/design/planner.md, levers).",
+    )
+    allocator: Literal["glibc", "jemalloc", "tcmalloc"] = Field(
+        "tcmalloc",
+        description="Memory allocator preloaded by the container entrypoint and the CLI's launcher "
+        "(LD_PRELOAD): tcmalloc took 21.0 s a step at the tile and peaked at 10.9 GiB, glibc 31.5 s and "
+        "11.7 GiB (docs/results/performance.md, section 1); the others are for hosts without it.",
+    )
+    tensor_allocator: Literal["system", "bfc"] = Field(
+        "system",
+        description="Where TensorFlow's oneDNN build puts tensors (TF_ONEDNN_USE_SYSTEM_ALLOCATOR): 'system' "
+        "hands them to the allocator above; TensorFlow's own 'bfc' pool fragments at scale (a 224x224x144 "
+        "batch-3 job planned at 19.6 GiB grew past 23 GiB and was OOM-killed in 4 of 6 runs, 17.9 GiB with "
+        "'system'; docs/design/planner.md), and is kept because calibration files record which one they were "
+        "fitted with.",
+    )
+    onednn: bool = Field(
+        True,
+        description="oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported): stock "
+        "TensorFlow turns them on only for CPUs with AVX512_VNNI/BF16 or AMX, and on AVX2 runs Eigen's "
+        "convolutions, 3-4x slower for this model (docs/results/performance.md).",
+    )
+    numa_policy: Literal["auto", "bind", "interleave", "none"] = Field(
+        "auto",
+        description="NUMA placement: 'auto' binds to one node when the job fits it (its memory and cores "
+        "local), else interleaves, since a footprint larger than one node fills it and the kernel reclaims or "
+        "kills; not measured on a multi-node host yet (docs/design/planner.md, NUMA placement).",
+    )
 
 
 class FootprintConfig(_Section):
     """Memory target: size the job to it and check the measured peak against it."""
 
-    # Target peak memory: "1TiB", "900GB", "80%" of the host; null = no target.
-    target: str | None = None
-    # Allowed relative distance of the measured peak from the target.
-    tolerance: float = Field(0.10, gt=0.0, lt=1.0)
-    # Share of available memory kept free when deciding whether a plan fits.
-    safety_margin: float = Field(0.10, ge=0.0, lt=1.0)
-    # What the planner may change to reach the target.
-    resize: Literal["batch", "shape", "both"] = "both"
-    # "auto": when the job as configured misses its target (or, without one, the host's memory), apply the
-    # cheapest lever that keeps its batch and shape (gradient recomputation; bfloat16 where the CPU has it
-    # natively) before resizing anything. "off": only resize.
-    levers: Literal["off", "auto"] = "off"
+    target: str | None = Field(
+        None,
+        description="Target peak memory ('1TiB', '900GB', '80%' of the host); null = no target. The planner "
+        "sizes the job to it and the verdict checks the measured peak against it (docs/design/planner.md, sizing).",
+    )
+    tolerance: float = Field(
+        0.10,
+        gt=0.0,
+        lt=1.0,
+        description="Allowed relative distance of the measured peak from the target (or plan): the same job's "
+        "peak parts from run to run by up to a tenth for large plain jobs (176x176x128 b3: 11.11 and 12.30 "
+        "GiB; docs/design/planner.md, Accuracy).",
+    )
+    safety_margin: float = Field(
+        0.10,
+        ge=0.0,
+        lt=1.0,
+        description="Share of available memory kept free when deciding whether a plan fits: the plan is an "
+        "envelope runs end inside, recomputed jobs up to 14 % over their plans (docs/design/planner.md).",
+    )
+    resize: Literal["batch", "shape", "both"] = Field(
+        "both",
+        description="What the planner may change to reach the target: one sample of the study's tile is "
+        "about 9 GiB, so batch alone may land far from a target that a shape meets (docs/design/planner.md).",
+    )
+    levers: Literal["off", "auto"] = Field(
+        "off",
+        description="'auto': when the job as configured misses its target (or the host's memory), apply the "
+        "cheapest lever that keeps its batch and shape before resizing: gradient recomputation held the "
+        "study's tile at 7,686 against 8,394 MiB for 1.47x the step (docs/design/planner.md, levers); 'off': only "
+        "resize.",
+    )
 
     @field_validator("levers", mode="before")
     @classmethod
@@ -361,13 +383,26 @@ class Config(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+# Keys that were removed by the knob review (issue 37): an old config that sets one is refused (exit 2)
+# saying so, not as a typo.
+REMOVED_KEYS = {
+    "runtime.release_between_epochs": "its one gain, 20.40 -> 19.68 GiB in one run, is the run-to-run "
+    "parting of one tensor, and the sweep's 2-12 GiB jobs peaked 3-9 % higher with it",
+    "runtime.python_gc": "the collector at step ends left the same 9 % run-to-run spread as Python's own",
+    "runtime.heap_limit": "held to its plan the tile peaked at 3.90 and 4.27 GiB against 3.87-4.48 "
+    "unheld, and an allocation refused inside a kernel ended the run with a segmentation fault",
+    "runtime.xla": "XLA's CPU convolutions are Eigen's, not oneDNN's, and it was slower where measured",
+}
+
+
 def _format_error(error: ValidationError) -> str:
     """One line naming the field: ``training.batch_size: Input should be greater than or equal to 1``."""
     first = error.errors()[0]
     location = ".".join(str(part) for part in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        message = "unknown key (typo?)"
+        removed = REMOVED_KEYS.get(location)
+        message = f"removed ({removed}); delete it" if removed else "unknown key (typo?)"
     extra = f" (and {len(error.errors()) - 1} more)" if len(error.errors()) > 1 else ""
     return f"config {location or '<root>'}: {message}{extra}" if location else f"config: {message}{extra}"
 

@@ -116,7 +116,9 @@ def train_run(
         train(plan.config, run_dir, cases, plan, host, resuming)
     except MemoryStopped as stop:
         # Checkpoint saved: state.json says `stopped: memory`, and a rerun with a smaller batch resumes.
+        # Still ``leaving`` (postmortem.after_memory_stop) until the CLI has said so and exits at once.
         set_state(run_dir, STOPPED, **stop.record)
+        stop.run_dir = run_dir
         raise
     except BaseException as error:
         set_state(run_dir, FAILED, error=f"{type(error).__name__}: {error}"[:2000])

@@ -221,22 +221,59 @@ def test_validation_failure_exits_1_through_docker_run(
     assert "FAIL" in result.stdout
 
 
-def test_real_data_read_only_with_a_rendered_config(bigmem_image: str, tmp_path: Path) -> None:
-    """A Decathlon-layout folder mounted read-only at /data, a config rendered into /results, jemalloc."""
-    dataset = results_folder(tmp_path / "Task01_BrainTumour")
-    synth = docker_run(
-        bigmem_image,
-        "synth",
-        "--out",
-        "/data",
-        "--cases",
-        "6",
-        "--shape",
-        "40,40,24",
-        options=["-v", f"{dataset}:/data"],
+def write_brats_like_dataset(
+    folder: Path, cases: int = 6, shape: tuple[int, int, int] = (40, 40, 24)
+) -> Path:
+    """A Decathlon Task01 layout written with nibabel, not by the kit: 4-D float32 images with the headers
+    the Decathlon's BraTS volumes carry (1 mm voxels in an LPS-flipped scanner frame, qform and sform
+    code 1, mm units, no scaling), uint8 labels 0..3, and the Decathlon's own dataset.json fields."""
+    import nibabel as nib
+    import numpy as np
+
+    from tests.unit.nifti_fixtures import phantom
+
+    affine = np.array([[-1.0, 0, 0, 0], [0, -1.0, 0, 239.0], [0, 0, 1.0, 0], [0, 0, 0, 1]])
+    training = []
+    for index in range(1, cases + 1):
+        image, label = phantom(shape, channels=4, seed=index)
+        name = f"BRATS_{index:03d}.nii.gz"
+        for sub, data in (("imagesTr", image), ("labelsTr", label)):
+            volume = nib.Nifti1Image(data, affine)
+            volume.header.set_xyzt_units("mm", "sec")
+            volume.header.set_qform(affine, code=1)
+            volume.header.set_sform(affine, code=1)
+            (folder / sub).mkdir(parents=True, exist_ok=True)
+            nib.save(volume, folder / sub / name)
+        training.append({"image": f"./imagesTr/{name}", "label": f"./labelsTr/{name}"})
+    (folder / "dataset.json").write_text(
+        json.dumps(
+            {
+                "name": "BRATS",
+                "tensorImageSize": "4D",
+                "modality": {"0": "FLAIR", "1": "T1w", "2": "t1gd", "3": "T2w"},
+                "labels": {
+                    "0": "background",
+                    "1": "edema",
+                    "2": "non-enhancing tumor",
+                    "3": "enhancing tumour",
+                },
+                "numTraining": cases,
+                "numTest": 0,
+                "training": training,
+                "test": [],
+            },
+            indent=4,
+        )
     )
-    assert synth.returncode == 0, synth.stderr
-    assert (dataset / "dataset.json").is_file()
+    for path in [folder, *folder.rglob("*")]:  # readable by the container's user, mounted read-only
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return folder
+
+
+def test_real_data_read_only_with_a_rendered_config(bigmem_image: str, tmp_path: Path) -> None:
+    """A Decathlon-layout folder the kit did not write (nibabel, real-world headers) mounted read-only at
+    /data, a config rendered into /results, jemalloc."""
+    dataset = write_brats_like_dataset(tmp_path / "Task01_BrainTumour")
     results = results_folder(tmp_path / "results")
     render = docker_run(
         bigmem_image,
@@ -269,7 +306,10 @@ def test_real_data_read_only_with_a_rendered_config(bigmem_image: str, tmp_path:
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"LD_PRELOAD={JEMALLOC}" in result.stdout
+    # What the training process really had mapped (/proc/self/maps, recorded by the process in metrics.json),
+    # not the line the launcher prints.
+    metrics = json.loads((results / "real" / "metrics.json").read_text())
+    assert metrics["allocator"] == "jemalloc" and JEMALLOC in metrics["ld_preload"], metrics["allocator"]
     verdict = json.loads((results / "real" / "verdict.json").read_text())
     assert verdict["verdict"] == "PASS"
     assert (results / "real" / "split.json").is_file()

@@ -22,11 +22,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bigmem_train.memory.constants import MODEL_VERSION
-from tests.fixtures.cgroups import MemoryCgroup, tenant_command, why_not
+from tests.fixtures.cgroups import GROWER, MemoryCgroup, Watcher, oom_kill_counter, tenant_command, why_not
 from tests.fixtures.common import write_tiny_job
 from tests.integration.conftest import bigmem
+
+# Trains for real.
+pytestmark = pytest.mark.slow
 
 GIB = 1024**3
 MIB = 1024**2
@@ -94,11 +98,14 @@ def test_guard_stops_before_the_limit_and_the_rerun_resumes(tmp_path, version):
         )
         # Two lines of history.csv: its header and the first finished epoch.
         tenant = _popen(
-            tenant_command(run_dir / "history.csv", 2, cgroup.limit_bytes, slow_mib=8),
+            # Fast to half the limit, then a slow leak: the guard sees every step of the approach to its
+            # threshold, so where it stops is its own doing (a probe that over-reports stops it early).
+            tenant_command(run_dir / "history.csv", 2, cgroup.limit_bytes, fast_until=0.5, slow_mib=8),
             cgroup,
         )
         try:
-            stdout, stderr = trainer.communicate(timeout=600)
+            with Watcher(cgroup) as watcher:
+                stdout, stderr = trainer.communicate(timeout=600)
         finally:
             _end(tenant)
         oom_kills = cgroup.oom_kills()
@@ -114,7 +121,12 @@ def test_guard_stops_before_the_limit_and_the_rerun_resumes(tmp_path, version):
         assert word in line, line
     state = json.loads((run_dir / "state.json").read_text())
     assert (state["state"], state["stopped"]) == ("stopped", "memory")
-    assert state["measured_bytes"] >= 0.9 * state["usable_bytes"]
+    # Stopped near its threshold (0.9 of the limit), by the cgroup's own figures read by the test at the
+    # moment the guard saved its checkpoint (the backup's last write): a guard that stops far too early (a
+    # probe that over-reports) fails here.
+    saved = (run_dir / "backup" / "training_metadata.json").stat().st_mtime
+    at_stop = watcher.bytes_at(saved)
+    assert at_stop is not None and at_stop >= 0.85 * cgroup.limit_bytes, (at_stop, cgroup.limit_bytes)
     assert state["usable_bytes"] <= 1 * GIB
     # What the line proposes is a smaller job than the one that was stopped, or nothing.
     assert state["largest_fitting_batch"] in (None, 1)
@@ -169,3 +181,71 @@ def test_oom_kill_is_named_by_validate(tmp_path, version):
     assert "killed by the out-of-memory killer at about" in validated.stdout
     assert "(planned 0.0" in validated.stdout  # the lying plan: a few tens of MiB
     assert f"cgroup v{version} memory" in validated.stdout  # the evidence: the cgroup's OOM counter
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_guard_stop_under_memory_that_keeps_growing_is_said_whole(tmp_path, version):
+    """Issue 41 item 15: a 1 GiB cgroup shared with a process that keeps growing (50 MiB every 0.2 s,
+    protected from the OOM killer) while the job trains. The guard trips, saves its checkpoint and records
+    the stop at once, and the process leaves at once (no TensorFlow teardown), while memory goes on growing
+    to the limit. Measured here it exits 3 before the OOM killer comes; where the killer does come on the
+    way out (a slower exit), the verdict must say both: which branch is decided by the cgroup's own OOM
+    counter, and the wording of the kill is also checked without a race in tests/unit/test_memory_guard.py.
+    Either way the checkpoint resumes."""
+    reason = why_not(version)
+    if reason:
+        pytest.skip(f"cgroup v{version}: {reason}")
+    config = _config(tmp_path, epochs=GUARDED_EPOCHS)
+    # Samples often enough that the guard sees the threshold before a 250 MiB/s leak reaches the limit.
+    job = yaml.safe_load(config.read_text())
+    job["output"]["sample_interval"] = 0.1
+    config.write_text(yaml.safe_dump(job))
+    run_dir = tmp_path / "results" / "squeezed"
+    cgroup = MemoryCgroup(version, f"bigmem-test-{os.getpid()}-squeezed", 1 * GIB)
+    try:
+        trainer = _popen(
+            [sys.executable, "-m", "bigmem_train.cli", "run", "-c", str(config), "--run-name", "squeezed"],
+            cgroup,
+        )
+        # From the first finished epoch on (history.csv: its header and one row).
+        # 50 MiB every 0.2 s, slowed across the guard's threshold (0.9) only: 0.85-0.93 of the limit.
+        grower = _popen(
+            [sys.executable, "-c", GROWER, str(run_dir / "history.csv"), "2", "50", "0.2"]
+            + [str(cgroup.limit_bytes), "0.85", "0.93"],
+            cgroup,
+        )
+        try:
+            stdout, stderr = trainer.communicate(timeout=600)
+        finally:
+            _end(grower)
+        oom_kills = oom_kill_counter(cgroup)
+        # Validated while the cgroup (and its OOM counter) still exists, as on the host that ran it.
+        validated = bigmem("validate", run_dir)
+    finally:
+        _end(trainer)
+        cgroup.remove()
+    state = json.loads((run_dir / "state.json").read_text())
+    assert (state["state"], state["stopped"]) == ("stopped", "memory"), (trainer.returncode, stderr[-3000:])
+    finished = len((run_dir / "history.csv").read_text().strip().splitlines()) - 1
+    assert json.loads((run_dir / "backup" / "training_metadata.json").read_text())["epoch"] == finished >= 1
+    assert validated.returncode == 1, validated.stdout + validated.stderr
+    said = " ".join(validated.stdout.split())
+    print(f"squeezed run: exit {trainer.returncode}, cgroup OOM kills {oom_kills}; validate: {said[-600:]}")
+    assert "stopped by the memory guard, checkpoint saved" in said, said
+    if trainer.returncode == 3:
+        assert oom_kills == 0 and not state["leaving"], (oom_kills, state)
+        assert "out-of-memory killer" not in said, said
+    else:
+        assert trainer.returncode == -9 and oom_kills >= 1, (trainer.returncode, oom_kills, stderr[-3000:])
+        assert state["leaving"] is True
+        assert "then, on its way out, killed by the out-of-memory killer at about" in said, said
+        assert f"cgroup v{version} memory" in said and "oom_kill went from" in said, said
+
+    # The saved checkpoint resumes (outside the cgroup) with the batch the guard's line suggests, or 1.
+    rerun = bigmem("run", "-c", config, "--run-name", "squeezed", "--set", "training.batch_size=1")
+    assert rerun.returncode == 0, rerun.stdout[-2000:] + rerun.stderr[-2000:]
+    assert "resuming squeezed with a new training.batch_size" in rerun.stdout
+    epochs = [
+        int(row.split(",")[0]) for row in (run_dir / "history.csv").read_text().strip().splitlines()[1:]
+    ]
+    assert epochs == list(range(GUARDED_EPOCHS))

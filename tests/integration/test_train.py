@@ -36,8 +36,11 @@ RUN_FILES = [
 
 
 def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
-    result = bigmem("run", "--config", tiny_job, "--run-name", "learn")
+    # oneDNN's own log of the primitives it ran (evidence the kit did not write): a convolution ran in oneDNN.
+    result = bigmem("run", "--config", tiny_job, "--run-name", "learn", env={"ONEDNN_VERBOSE": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    executed = [line for line in result.stdout.splitlines() if line.startswith("onednn_verbose,")]
+    assert any(",exec," in line and "convolution" in line for line in executed), result.stdout[-2000:]
     run_dir = tmp_path / "results" / "learn"
     assert f"PASS {run_dir}" in result.stdout
     for name in RUN_FILES:
@@ -53,12 +56,7 @@ def test_tiny_job_learns_and_passes(tiny_job, tmp_path):
     # The run measured what it maps of its libraries and its plan says so.
     plan = json.loads((run_dir / "plan.json").read_text())
     assert 50 * 2**20 < plan["runtime_file_backed"]["measured_bytes"] < metrics["peak_rss_bytes"]
-    assert metrics["file_backed_at_start_bytes"] == plan["runtime_file_backed"]["measured_bytes"]
-    assert plan["peak_bytes"] == metrics["planned_peak_bytes"]
     assert metrics["voxels_per_second"] > 0 and metrics["median_step_seconds"] > 0
-    assert metrics["onednn_enabled"] in (True, False)
-    # runtime.inline_ops: TensorFlow ran every op in the calling thread.
-    assert metrics["inter_op_threads"] == -1
     # Every run checks the planner: the whole run's measured peak within footprint.tolerance of the plan.
     verdict = json.loads((run_dir / "verdict.json").read_text())
     plan_check = next(criterion for criterion in verdict["criteria"] if criterion["name"] == "plan")

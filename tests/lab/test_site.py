@@ -64,6 +64,10 @@ class PlaybookRun:
     recap: dict[str, dict[str, int]]
 
     def changed(self) -> dict[str, int]:
+        # A recap the regex did not find would compare equal to "nothing changed": the lab system must be in it.
+        assert SYSTEM_NAME in self.recap, (
+            f"no PLAY RECAP line for {SYSTEM_NAME}: {self.recap}\n{self.output[-3000:]}"
+        )
         return {host: counts["changed"] for host, counts in self.recap.items()}
 
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from bigmem_train.host import read_host_facts
@@ -29,6 +30,8 @@ from .test_ansible_multi_worker import (
 __all__ = ["ansible_playbook"]
 
 UID = 10001
+# Builds the image and trains in a container.
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
 
 def test_train_role_names_an_oom_kill(tmp_path, bigmem_image, ansible_playbook):

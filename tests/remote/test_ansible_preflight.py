@@ -116,7 +116,7 @@ def run_play(folder: Path, job: dict, extra_vars: dict | None = None) -> subproc
 
 
 def test_preflight_plans_a_multi_worker_job_per_host(tmp_path: Path):
-    job, whole, half = job_that_fits_only_when_split()
+    job, _, _ = job_that_fits_only_when_split()
 
     split = run_play(tmp_path, {**job, "strategy": "multi_worker"})
     assert split.returncode == 0, split.stdout[-3000:] + split.stderr[-2000:]
@@ -124,19 +124,22 @@ def test_preflight_plans_a_multi_worker_job_per_host(tmp_path: Path):
     # Each host's check names its share: the peak of half the batch, two workers.
     assert text.count(f"per host: 2 workers, batch {job['batch_size'] // 2} each") == 2, split.stdout[-3000:]
     checked = [float(value) for value in re.findall(r": job ([0-9.]+) GiB \(the planned peak", text)]
-    assert len(checked) == 2 and all(abs(value * 2**30 - half) < 0.01 * half for value in checked), checked
-    # The share is half the job's activations: the single-process plan of half the batch is a little over
-    # half the whole (the weights and the runtime are not split), and the worker's plan adds only what Keras'
-    # synchronized batch normalization costs over the fused layer.
-    alone = planned_peak({**job, "batch_size": job["batch_size"] // 2})
-    assert 0.5 * whole < alone < 0.6 * whole, (whole, alone)
-    assert alone < half < 1.1 * alone, (alone, half)
+    assert len(checked) == 2 and checked[0] == checked[1], checked
 
     single = run_play(tmp_path, job)
     assert single.returncode != 0
     text = " ".join(single.stdout.split())
     assert "the planned peak of bigmem_train_job" in text and "safety margin" in text, single.stdout[-3000:]
     assert "per host" not in text
+    # The share is checked against what the same role said of the whole job on one host, not against the
+    # planner called by this test: half the batch holds half the activations and all of the weights and the
+    # runtime, so a little over half the whole (a role that planned the whole batch per host, or a quarter of
+    # it, fails). How close the planner's figures are to what a worker really holds is measured by the
+    # two-worker run's own verdict (test_multi_worker.py: the chief's plan criterion, measured peak within
+    # footprint.tolerance of its plan).
+    whole_said = [float(value) for value in re.findall(r"needs ([0-9.]+) GiB \(the planned peak", text)]
+    assert whole_said, single.stdout[-3000:]
+    assert 0.5 * whole_said[0] < checked[0] < 0.65 * whole_said[0], (checked, whole_said)
 
 
 def test_a_value_no_role_accepts_stops_the_play_before_any_check(tmp_path: Path):

@@ -123,6 +123,24 @@ def _status(inventory, name):
     return json.loads(result.stdout)
 
 
+def _session(session_id: int) -> dict[int, str]:
+    """The live processes of session ``session_id`` (PID -> command line), from /proc."""
+    members = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        # fields: state, ppid, pgrp, session; a zombie is gone already (only its parent's wait is left).
+        if int(fields[3]) == session_id and fields[0] != "Z":
+            members[int(entry.name)] = command.strip()
+    return members
+
+
 def test_stop_ends_the_whole_job(inventory, tmp_path):
     config = write_tiny_job(tmp_path / "long.yaml", epochs=500)
     started = remote("start", "lab", "--config", config, "--name", "long", "--no-docker", inventory=inventory)
@@ -133,10 +151,23 @@ def test_stop_ends_the_whole_job(inventory, tmp_path):
     again = remote("start", "lab", "--config", config, "--name", "long", "--no-docker", inventory=inventory)
     assert again.returncode == 2 and "already running" in one_line(again)
 
+    # The job is a session (setsid): its leader, the shell, and the training process below them. Read from
+    # /proc, not from the kit: wait until the training process has started.
+    deadline = time.monotonic() + 120
+    while not any(
+        "bigmem_train" in command or "bigmem-train" in command for command in _session(job["pid"]).values()
+    ):
+        assert time.monotonic() < deadline, (
+            f"no training process in the job's session: {_session(job['pid'])}"
+        )
+        time.sleep(0.5)
+    members = _session(job["pid"])
+    assert len(members) >= 2, members
+
     stopped = remote("stop", "lab", "long", "--grace", "5", inventory=inventory)
     assert stopped.returncode == 0 and "long on lab: stopped" in stopped.stdout, stopped.stderr
-    with pytest.raises(ProcessLookupError):
-        os.kill(job["pid"], 0)
+    # Every process of the job is gone when stop returns (before the fixture's teardown kills the group).
+    assert _session(job["pid"]) == {}, f"left running after stop: {_session(job['pid'])} (were {members})"
     assert _status(inventory, "long")["state"] == "stopped"
     assert "not running" in remote("stop", "lab", "long", inventory=inventory).stdout
 
@@ -231,23 +262,12 @@ def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
     ).is_file()
 
 
-def _docker_image_present(image: str) -> bool:
-    try:
-        return (
-            subprocess.run(["docker", "image", "inspect", image], capture_output=True, timeout=30).returncode
-            == 0
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
 @pytest.mark.slow
 @pytest.mark.docker
-def test_container_job_over_ssh(inventory, tmp_path):
-    """The default mode: a detached hardened container on the host, its log, status and run directory."""
-    image = os.environ.get("BIGMEM_TRAIN_IMAGE", "bigmem-train")
-    if not _docker_image_present(image):
-        pytest.skip(f"needs a Docker daemon with the {image} image (docker/build-image.sh)")
+def test_container_job_over_ssh(inventory, tmp_path, bigmem_image):
+    """The default mode: a detached hardened container on the host, its log, status and run directory.
+    The image is the suite's own (docker_daemon.bigmem_image: built from this checkout, or BIGMEM_TEST_IMAGE)."""
+    image = bigmem_image
     config = write_tiny_job(tmp_path / "tiny.yaml", epochs=2)
     try:
         started = remote(

@@ -122,10 +122,14 @@ def test_ansible_renders_the_same_template(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+    rendered = {}
     for line in result.stdout.splitlines():
         host, _, rest = line.partition(" | SUCCESS => ")
-        message = json.loads(rest)["msg"]
-        assert message.strip() == render_tf_config(GROUPS, HOSTVARS, host, "workers")
+        rendered[host] = json.loads(rest)["msg"].strip()
+    # One line per host of the group, each the CLI's rendering for that host (not a pass on no output).
+    assert sorted(rendered) == sorted(GROUPS["workers"]), result.stdout
+    for host, message in rendered.items():
+        assert message == render_tf_config(GROUPS, HOSTVARS, host, "workers")
 
 
 def test_planner_plans_one_replica_per_host(monkeypatch):

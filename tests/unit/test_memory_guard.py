@@ -188,7 +188,9 @@ def test_sampler_walks_page_tables_rarely_and_counts_its_cpu(tmp_path):
         time.sleep(0.5)
     assert sampler.samples >= 10 and len(seen) == sampler.samples
     assert sampler.walks == 2  # the first sample and the last one
-    assert 0 < sampler.cpu_seconds < 0.5
+    # The budget the sampler promises (monitor.py): far below 1 % of a core at its default interval of
+    # 0.25 s, so a sample's own CPU time (the two page-table walks included) stays under 1 % of 0.25 s.
+    assert 0 < sampler.cpu_seconds / sampler.samples < 0.01 * 0.25, (sampler.cpu_seconds, sampler.samples)
     rows = read_memory_csv(tmp_path / "memory.csv")
     assert len(rows) == sampler.samples
     header = (tmp_path / "memory.csv").read_text().splitlines()[0].split(",")
@@ -247,26 +249,6 @@ def test_explain_weighs_the_evidence():
     other = explain(STATE, measured_bytes=GIB, planned_bytes=None, host_oom_kills_now=9, exit_code=1)
     assert other.cause == "unknown" and "no plan recorded" in other.message
     assert explain(STATE, measured_bytes=None, planned_bytes=GIB, rebooted=True).cause == "rebooted"
-    # Held by runtime.heap_limit: a crash (or an end without a record) is put down to the limit, and says how
-    # to resume; an OOM kill or a SIGKILL is still what it was.
-    held = {
-        **STATE,
-        "heap_limit": {
-            "cap_bytes": int(1.1 * GIB),
-            "outside_heap_bytes": GIB // 4,
-            "limit_bytes": int(0.85 * GIB),
-            "source": "plan + 10%",
-        },
-    }
-    crash = explain(held, measured_bytes=GIB, planned_bytes=GIB, exit_code=139)
-    assert crash.cause == "heap_limit"
-    assert crash.message.startswith("ended by signal 11 at about 1.00 GiB while held to 1.10 GiB (plan + 10%")
-    assert "runtime.heap_limit" in crash.message and "resume" in crash.message
-    assert "0.85 GiB" in crash.evidence
-    assert explain(held, measured_bytes=GIB, planned_bytes=GIB).message.startswith("ended without a record")
-    assert explain(held, measured_bytes=GIB, planned_bytes=GIB, exit_code=137).cause == "killed"
-    assert explain(held, measured_bytes=GIB, planned_bytes=GIB, cgroup_oom_kills=1).cause == "oom"
-    assert explain(held, measured_bytes=GIB, planned_bytes=GIB, exit_code=1).cause == "unknown"
     assert container_id(STATE) == "ab" * 32
     # A private cgroup namespace (Docker's default on cgroup v2) shows "/": the id recorded from the mounts.
     private = {**STATE, "cgroup": {**STATE["cgroup"], "path": "/"}}
@@ -315,7 +297,7 @@ def test_a_run_the_guard_stopped_resumes_with_a_smaller_batch_only(tmp_path):
         prepare_run_dir(job(tmp_path, batch_size=2))  # not stopped by the guard: refused as before
     set_state(run_dir, STOPPED, stopped="memory", message="memory guard stopped the run")
     with pytest.raises(
-        BadInput, match="may change only training.batch_size, data.input_shape, runtime.heap_limit"
+        BadInput, match="may change only training.batch_size, data.input_shape, footprint.tolerance"
     ):
         prepare_run_dir(job(tmp_path, batch_size=2, epochs=3))
     again, resuming = prepare_run_dir(job(tmp_path, batch_size=2))
@@ -390,3 +372,27 @@ def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_
     assert all(edge <= limit for edge, limit in zip(fitting_shape, shape))
     assert recorded_planner(config, 1, fitting_shape) + shift <= allowed
     assert largest_fitting_job(config, None, measured, usable) == (0, None)
+
+
+def test_a_guard_stop_killed_on_its_way_out_is_said_whole(tmp_path):
+    from bigmem_train.verdict.postmortem import after_memory_stop
+
+    (tmp_path / "plan.json").write_text(json.dumps({"peak_bytes": GIB}))
+    counter = tmp_path / "memory.oom_control"
+    counter.write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    child = subprocess.Popen(["true"])
+    child.wait()
+    stopped = {
+        **process_identity(),
+        "pid": child.pid,
+        "state": "stopped",
+        "stopped": "memory",
+        "leaving": True,
+        "message": "memory guard stopped the run",
+        "cgroup": {"version": 1, "oom_kills": 0, "oom_counter_file": str(counter), "limit_bytes": GIB},
+    }
+    ending = after_memory_stop(tmp_path, stopped)
+    assert ending.cause == "oom" and "oom_kill went from 0 to 1" in ending.evidence
+    # Left cleanly (everything written), or still on its way out: the stop alone.
+    assert after_memory_stop(tmp_path, {**stopped, "leaving": False}) is None
+    assert after_memory_stop(tmp_path, {**stopped, "pid": os.getpid(), **process_identity()}) is None

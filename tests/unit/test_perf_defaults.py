@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 from bigmem_train.config import Config, load_config
 from bigmem_train.host import HostFacts
 from bigmem_train.ops.render import render
@@ -30,7 +32,6 @@ def test_runtime_defaults_are_the_measured_winners():
     assert runtime.onednn is True  # stock TF leaves oneDNN off on AVX2-only CPUs: 3-4x slower
     assert runtime.allocator == "tcmalloc"  # fastest and lowest peak of glibc/jemalloc/tcmalloc here
     assert runtime.precision == "float32"  # no AVX512_BF16/AMX here: mixed_bfloat16 is slower
-    assert runtime.xla is False  # XLA's CPU convolutions are Eigen's, not oneDNN's
     assert Config().model.recompute is False  # a memory lever, not a speed lever: opt-in
     assert runtime.tensor_allocator == "system"  # TensorFlow's BFC pool fragments at the study's scale
     assert runtime.inline_ops is True  # the same job peaks the same in every run, at the same speed
@@ -58,7 +59,7 @@ def test_the_launcher_preloads_the_default_allocator(monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     installed = [path for path in ALLOCATOR_LIBRARIES["tcmalloc"] if Path(path).exists()]
     if not installed:
-        return  # nothing to preload on this machine; the launcher then raises BadInput (tested elsewhere)
+        pytest.skip("tcmalloc is not installed here (scripts/apt-packages.txt: libtcmalloc-minimal4)")
     command, environment = launch_command(Config(), [])
     assert environment["LD_PRELOAD"].split(":")[0] == installed[0]
     assert environment["TF_ONEDNN_USE_SYSTEM_ALLOCATOR"] == "1"
@@ -88,7 +89,6 @@ def test_the_benchmark_measures_the_defaults():
     runtime = Config().runtime
     assert throughput.CHOSEN["allocator"] == runtime.allocator
     assert throughput.CHOSEN["precision"] == runtime.precision
-    assert throughput.CHOSEN["xla"] == runtime.xla
     assert throughput.CHOSEN["recompute"] == Config().model.recompute
     assert throughput.CHOSEN["onednn"] == runtime.onednn
     assert (throughput.CHOSEN["intra"], throughput.CHOSEN["inter"]) == (None, None)  # launch.choose_threads

@@ -1,7 +1,6 @@
 """Preflight: refuse a plan that cannot fit, with one actionable message; the CLI's exit code 3."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -31,10 +30,8 @@ def host(name: str):
 def test_study_job_is_refused_in_a_small_container_with_an_actionable_message():
     small = host("one_node_cgroup2")
     plan = plan_job(load_config("study"), small, CALIBRATION)
-    started = time.monotonic()
     with pytest.raises(DoesNotFit) as refused:
         preflight.check_fits(plan, small)
-    assert time.monotonic() - started < 5
     message = str(refused.value)
     assert "predicted peak" in message and "GiB" in message
     assert "cgroup v2 limit 8589934592 B (8.00 GiB)" in message

@@ -3,6 +3,7 @@ step runs for long, and the first step announced as tracing."""
 
 import io
 import time
+from pathlib import Path
 
 from bigmem_train.train.monitor import rss_bytes
 from bigmem_train.train.progress import ProgressReporter, ProgressState, format_duration
@@ -51,6 +52,21 @@ def test_a_terminal_gets_one_redrawn_line_and_events_above_it():
     assert "bigmem-train: first step done in 3s\n" in text
 
 
+def _kernel_vmrss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
 def test_resident_bytes_and_durations():
-    assert 10 * 2**20 < rss_bytes() < 64 * 2**30
+    # Against the kernel's own figure (VmRSS), and following 64 MiB this test touches.
+    before = rss_bytes()
+    assert abs(before - _kernel_vmrss()) < 4 * 2**20
+    block = bytearray(64 * 2**20)
+    block[::4096] = b"x" * len(block[::4096])
+    after = rss_bytes()
+    assert abs(after - _kernel_vmrss()) < 4 * 2**20
+    assert after - before > 60 * 2**20
+    del block
     assert [format_duration(s) for s in (None, 5, 65, 3 * 3600 + 120)] == ["?", "5s", "1m05s", "3h02m"]

@@ -199,20 +199,3 @@ def test_report_rounds_figures_for_a_person(tmp_path):
     assert "<td>0.877 / 0.912</td>" in text
     assert not re.search(r"\d\.\d{6,}", text), re.findall(r"[\d.]*\d\.\d{6,}", text)
     assert "1344175.0" not in text
-
-
-def test_report_says_what_the_run_was_held_to(tmp_path):
-    run_dir = make_run(tmp_path, GOOD)
-    assert "<th>Held to (runtime.heap_limit)</th><td>not held (off)</td>" in write_report(run_dir).read_text()
-    metrics = json.loads((run_dir / "metrics.json").read_text())
-    metrics["heap_limit_requested"] = "plan"
-    metrics["heap_limit"] = {
-        "cap_bytes": 4 * 2**30,
-        "outside_heap_bytes": 460 * 2**20,
-        "limit_bytes": 3636 * 2**20,
-        "source": "plan + 10%",
-    }
-    (run_dir / "metrics.json").write_text(json.dumps(metrics))
-    text = write_report(run_dir).read_text()
-    assert "(4.00 GiB) (plan + 10%): tcmalloc&#x27;s heap limit" in text
-    assert "(3.55 GiB)" in text and "(0.45 GiB) outside the heap" in text

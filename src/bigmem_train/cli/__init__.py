@@ -194,6 +194,7 @@ def load_job_config(args: argparse.Namespace) -> Config:
 
 
 def main(argv: list[str] | None = None) -> int:
+    as_program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     # TensorFlow's C++ start-up chatter (CUDA probes on a CPU host) hides the job's own output.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -209,6 +210,16 @@ def main(argv: list[str] | None = None) -> int:
         return dispatch(args)
     except BigmemError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
+        run_dir = getattr(error, "run_dir", None)
+        if as_program and run_dir is not None:
+            # A run stopped for memory leaves at once, everything written: TensorFlow's teardown takes
+            # seconds, in which memory that kept growing can still bring the OOM killer (issue 41, item 15).
+            from bigmem_train.verdict.rundir import STOPPED, set_state
+
+            set_state(run_dir, STOPPED, leaving=False)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(error.exit_code)
         return error.exit_code
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

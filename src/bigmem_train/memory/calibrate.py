@@ -419,11 +419,6 @@ def calibrate(
     for repeat in range(repeats):
         for index, job in enumerate(jobs or calibration_jobs(read_cpu_flags())):
             config = job_config(base, **job)
-            # The constants are fitted to what a run holds unheld: a heap limit set from the current plan
-            # (runtime.heap_limit, heap_limit.py) would clip the peaks they are fitted to.
-            config = config.model_copy(
-                update={"runtime": config.runtime.model_copy(update={"heap_limit": "off"})}
-            )
             measured = measure_run(config, workdir, f"calibration-{index}-{repeat}")
             samples.append((config, measured["peak_rss_bytes"], measured.get("file_backed_at_start_bytes")))
             records.append(

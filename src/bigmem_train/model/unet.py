@@ -316,7 +316,8 @@ def compile_model(config: Config) -> keras.Model:
             keras.metrics.MeanMetricWrapper(soft_dice, name="dice"),
             HardDice(config.model.output_classes),
         ],
-        jit_compile=config.runtime.xla,
+        # XLA's CPU convolutions are Eigen's, not oneDNN's (docs/performance.md): never compiled with it.
+        jit_compile=False,
     )
     if config.runtime.onednn:
         from bigmem_train.model.kernel_check import check_model, warn_reference_kernels

@@ -166,7 +166,7 @@ def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
         report["error"] = state_file.get("message")
     if not running and state_file.get("state") == "running":
         ending = _ending(state_file, sections, report.get("exit_code"))
-        report["state"] = "killed" if ending.cause in {"oom", "killed", "heap_limit"} else report["state"]
+        report["state"] = "killed" if ending.cause in {"oom", "killed"} else report["state"]
         report["ending"] = ending.to_dict()
         report["error"] = ending.message + (f" ({ending.evidence})" if ending.evidence else "")
     return report

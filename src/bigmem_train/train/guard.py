@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from bigmem_train.config import Config
@@ -34,6 +35,7 @@ class MemoryStopped(BigmemError):
     def __init__(self, message: str, record: dict[str, Any]):
         super().__init__(message)
         self.record = record
+        self.run_dir: Path | None = None  # set once the stop is recorded in the run directory
 
 
 @dataclass
@@ -183,13 +185,19 @@ def stop_message(
     return "; ".join(parts)
 
 
-def guard_callback(guard: MemoryGuard, backup: Any, config: Config, run_name: str):
+def guard_callback(guard: MemoryGuard, backup: Any, config: Config, run_dir: Path):
     """The Keras callback that stops training at the first step boundary after the guard tripped.
 
     ``backup`` is the run's ``keras.callbacks.BackupAndRestore``: its folder is where a stopped run is
-    saved, in its own format, so the next run resumes from it as from any interruption.
+    saved, in its own format, so the next run resumes from it as from any interruption. The stop is
+    recorded in state.json as soon as the checkpoint is saved, ``leaving`` until the process has written
+    the rest: memory that keeps growing may still get it killed on its way out (postmortem.after_memory_stop).
     """
     import keras
+
+    from bigmem_train.verdict.rundir import STOPPED, set_state
+
+    run_name = run_dir.name
 
     class _MemoryGuardCallback(keras.callbacks.Callback):
         def __init__(self):
@@ -239,6 +247,7 @@ def guard_callback(guard: MemoryGuard, backup: Any, config: Config, run_name: st
                 "largest_fitting_shape": list(fitting_shape) if fitting_shape else None,
                 "message": message,
             }
+            set_state(run_dir, STOPPED, **record, leaving=True)
             raise MemoryStopped(message, record)
 
     return _MemoryGuardCallback()

@@ -22,21 +22,16 @@ from bigmem_train.data.pipeline import bad_input_from, make_datasets
 from bigmem_train.host import HostFacts, onednn_enabled, preloaded_allocator
 from bigmem_train.memory.plan import JobPlan
 from bigmem_train.ops import distribute
-from bigmem_train.sizes import format_bytes, parse_size
-from bigmem_train.train import heap_limit
+from bigmem_train.sizes import format_bytes
 from bigmem_train.train.checkpoints import backup_and_restore, model_checkpoint
-from bigmem_train.train.collect import collect_at_step_ends_callback
 from bigmem_train.train.guard import MemoryGuard, MemoryStopped, guard_callback
 from bigmem_train.train.launch import choose_threads, start_tensorflow
 from bigmem_train.train.monitor import MemoryProbe, MemorySampler, rss_parts
 from bigmem_train.train.progress import progress_callback
-from bigmem_train.train.release import release_callback
 from bigmem_train.verdict.rundir import (
-    RUNNING,
     read_history,
     read_memory_csv,
     read_step_seconds,
-    set_state,
     write_json,
 )
 
@@ -208,61 +203,6 @@ def _fit(model, datasets, config: Config, callbacks: list) -> None:
     )
 
 
-def hold_heap(config: Config, plan: JobPlan | None, host: HostFacts) -> heap_limit.HeapLimit | None:
-    """Apply ``runtime.heap_limit`` (heap_limit.py) now that TensorFlow, the model and the reader are
-    loaded; say what is held, or why nothing is."""
-    setting = config.runtime.heap_limit
-    if setting == "off" or (setting == "plan" and plan is None):
-        return None
-    if setting == "plan":
-        cap = int(plan.peak_bytes * (1 + config.footprint.tolerance))
-        source = f"plan + {config.footprint.tolerance:.0%}"
-    else:
-        cap = parse_size(setting, host_total_bytes=host.memory_total_bytes)
-        source = setting
-    held = heap_limit.hold(cap, source)
-    if held is None:
-        print(
-            f"bigmem-train: heap not held to {format_bytes(cap)} ({source}): "
-            + (
-                "the cap is below what the run holds already"
-                if heap_limit.current_limit_bytes() is not None
-                else f"the allocator is {preloaded_allocator()}, not a tcmalloc with a heap limit"
-            ),
-            flush=True,
-        )
-        return None
-    print(
-        f"bigmem-train: memory held to {format_bytes(held.cap_bytes)} ({source}): tcmalloc's heap limit "
-        f"{format_bytes(held.limit_bytes)}, {format_bytes(held.outside_heap_bytes)} outside the heap",
-        flush=True,
-    )
-    return held
-
-
-def heap_limit_stop(
-    held: heap_limit.HeapLimit, error: Exception, plan: JobPlan | None, run_name: str
-) -> MemoryStopped:
-    """The run needed more than its heap limit: a memory stop (exit 3) with both figures, resumable from
-    the last epoch's backup."""
-    planned = plan.peak_bytes if plan else None
-    message = (
-        f"bigmem-train: run {run_name} stopped: it needed more memory than it was held to, "
-        f"{format_bytes(held.cap_bytes)} ({held.source}; tcmalloc's heap limit {format_bytes(held.limit_bytes)}) "
-        f"after handing back every free page; the plan is wrong for this job. The last epoch's backup is "
-        f"kept: rerun with a larger footprint.tolerance or runtime.heap_limit: off to resume."
-    )
-    record = {
-        "stopped": "memory",
-        "reason": "heap_limit",
-        "planned_peak_bytes": planned,
-        "heap_limit": held.to_dict(),
-        "error": str(error).splitlines()[0][:500] if str(error) else type(error).__name__,
-        "message": message,
-    }
-    return MemoryStopped(message, record)
-
-
 def train(
     config: Config,
     run_dir: Path,
@@ -298,10 +238,6 @@ def train(
         # known now, and the plan takes it in place of the calibration's figure (JobPlan.with_file_backed).
         plan = plan.with_file_backed(rss_parts()[1])
         write_json(run_dir / "plan.json", plan.to_dict())
-    held = hold_heap(config, plan, host)
-    # A refused allocation inside a kernel can end the process with no record of its own: state.json says
-    # what it was held to, for the post-mortem (postmortem.explain). None clears a resumed run's old hold.
-    set_state(run_dir, RUNNING, heap_limit=held.to_dict() if held else None)
 
     checkpoints = run_dir / "checkpoints"
     checkpoints.mkdir(exist_ok=True)
@@ -327,18 +263,11 @@ def train(
         callbacks.append(keras.callbacks.TensorBoard(str(run_dir / "tensorboard"), update_freq="epoch"))
     if guard is not None:
         # After the step timer, so the step that tripped it is recorded.
-        callbacks.insert(2, guard_callback(guard, backup, config, run_dir.name))
-    # Last of the epoch-end callbacks that allocate (validation, checkpoints, TensorBoard): the pages they
-    # left free go back to the kernel before the next epoch's steps (release.py).
-    if config.runtime.release_between_epochs:
-        callbacks.append(release_callback())
+        callbacks.insert(2, guard_callback(guard, backup, config, run_dir))
     if is_chief:
         callbacks.append(
             progress_callback(config.training.epochs, datasets.train_steps, plan.peak_bytes if plan else None)
         )
-    # Last, so that what the other callbacks made at a step's end is collected at that step's end too.
-    if config.runtime.python_gc == "step":
-        callbacks.append(collect_at_step_ends_callback())
 
     build = tensorflow_build_info()
     numa_nodes = [node.node_id for node in host.numa_nodes]
@@ -374,11 +303,6 @@ def train(
             _fit(model, datasets, config, callbacks)
         except MemoryStopped as error:
             stopped = error
-        except tf.errors.ResourceExhaustedError as error:
-            if held is None:
-                raise
-            heap_limit.release()
-            stopped = heap_limit_stop(held, error, plan, run_dir.name)
         except tf.errors.OpError as error:
             # A volume that turned out unreadable mid-run: one line naming the file, exit 2.
             bad_input = bad_input_from(error)
@@ -418,8 +342,6 @@ def train(
         },
         "sampler_cpu_seconds": round(sampler.cpu_seconds, 3),
         "sampler_page_table_walks": sampler.walks,
-        "heap_limit_requested": config.runtime.heap_limit,
-        "heap_limit": held.to_dict() if held else None,
         "guard": None
         if guard is None
         else {

@@ -30,16 +30,13 @@ from bigmem_train.sizes import GIB
 from bigmem_train.verdict.rundir import read_memory_csv
 
 EXIT_SIGKILL = 137
-EXIT_SIGABRT = 134
-EXIT_SIGSEGV = 139
 
 
 @dataclass
 class Ending:
     """How a run that left state.json ``running`` ended."""
 
-    # "oom", "killed" (a signal, not the OOM killer by the counters), "heap_limit" (held by runtime.heap_limit
-    # and ended by a crash or without a record), "rebooted", "unknown"
+    # "oom", "killed" (a signal, not the OOM killer by the counters), "rebooted", "unknown"
     cause: str
     message: str
     evidence: str = ""
@@ -112,19 +109,6 @@ def explain(
     if rebooted:
         return Ending(
             "rebooted", f"the host restarted while the run was running (last sample {where}, {planned})"
-        )
-    held = state.get("heap_limit")
-    if held and exit_code in (None, EXIT_SIGABRT, EXIT_SIGSEGV):
-        # runtime.heap_limit (heap_limit.py): an allocation the limit refused in TensorFlow's allocator is a
-        # memory stop with its own record; one refused inside a kernel's own scratch memory ends the process.
-        how = f"by signal {exit_code - 128}" if exit_code else "without a record"
-        return Ending(
-            "heap_limit",
-            f"ended {how} {where} while held to {_gib(held['cap_bytes'])} ({held.get('source')}, "
-            f"runtime.heap_limit; {planned}): most likely an allocation past the heap limit inside a kernel, "
-            "which ends the process (docs/design/planner.md); rerun with a looser runtime.heap_limit or 'off' to "
-            "resume from the last checkpoint",
-            f"tcmalloc's heap limit {_gib(held['limit_bytes'])}; no OOM kill was counted",
         )
     if exit_code == EXIT_SIGKILL or (exit_code is not None and exit_code > 128):
         return Ending(
@@ -217,6 +201,19 @@ def diagnose(run_dir: Path, state: dict[str, Any]) -> Ending | None:
     when it ended with a record, or when this host cannot tell (another PID namespace and no container)."""
     if state.get("state") != "running":
         return None
+    return _ending_of_gone_process(run_dir, state)
+
+
+def after_memory_stop(run_dir: Path, state: dict[str, Any]) -> Ending | None:
+    """How a run the memory guard stopped ended, when its process is gone without having written the rest
+    (state.json ``leaving``): memory that kept growing past the stop can get it killed by the OOM killer on
+    its way out, checkpoint saved. None when it left cleanly, still runs, or this host cannot tell."""
+    if state.get("stopped") != "memory" or not state.get("leaving"):
+        return None
+    return _ending_of_gone_process(run_dir, state)
+
+
+def _ending_of_gone_process(run_dir: Path, state: dict[str, Any]) -> Ending | None:
     boot_id = (
         Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         if Path("/proc/sys/kernel/random/boot_id").exists()

@@ -186,7 +186,6 @@ def write_report(run_dir: Path) -> Path:
             "Best validation Dice (soft / hard)",
             f"{_rounded(metrics.get('best_val_dice'), 3)} / {_rounded(metrics.get('best_val_hard_dice'), 3)}",
         ),
-        ("Held to (runtime.heap_limit)", _held_statement(metrics)),
         ("Transparent huge pages at peak", size(metrics.get("peak_anon_hugepages_bytes"))),
         ("NUMA policy", metrics.get("numa_policy")),
         (
@@ -264,20 +263,6 @@ def _voxels_per_second(value) -> str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return "-"
     return f"{value / 1e6:.3g} M"
-
-
-def _held_statement(metrics: dict) -> str:
-    """What the run was held to (heap_limit.py), or why it was not."""
-    held = metrics.get("heap_limit")
-    if held:
-        return (
-            f"{format_bytes(held['cap_bytes'])} ({held['source']}): tcmalloc's heap limit "
-            f"{format_bytes(held['limit_bytes'])}, {format_bytes(held['outside_heap_bytes'])} outside the heap"
-        )
-    requested = metrics.get("heap_limit_requested")
-    return (
-        "not held (off)" if requested in (None, "off") else f"not held ({requested} asked; see the run's log)"
-    )
 
 
 def _inter_op(threads) -> str:

@@ -15,13 +15,11 @@ from bigmem_train.errors import BadInput
 
 STATE_FILE = "state.json"
 RUNNING, FINISHED, FAILED, STOPPED = "running", "finished", "failed", "stopped"
-# Config fields a run stopped for memory (the guard, the heap limit) may change when it is resumed: the
+# Config fields a run stopped for memory (the guard) may change when it is resumed: the
 # U-Net's weights and its optimizer state do not depend on them.
 RESIZABLE_ON_RESUME = (
     ("training", "batch_size"),
     ("data", "input_shape"),
-    # A run stopped at its heap limit (heap_limit.py) resumes with a looser one.
-    ("runtime", "heap_limit"),
     ("footprint", "tolerance"),
 )
 # Config fields any unfinished run may change when it is resumed: how the job is run, not what it computes.
@@ -168,7 +166,7 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
             if not changed:
                 hint = (
                     " (a run stopped for memory may change only training.batch_size, data.input_shape, "
-                    "runtime.heap_limit, footprint.tolerance and training.worker_heartbeat_timeout)"
+                    "footprint.tolerance and training.worker_heartbeat_timeout)"
                     if stopped_for_memory
                     else " (a resumed run may change only training.worker_heartbeat_timeout)"
                 )
@@ -191,7 +189,9 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
     (run_dir / "config.yaml").write_text(resolved)
     # A resumed run drops what the last session ended with (the guard's stop, an error).
     state = {
-        key: value for key, value in read_state(run_dir).items() if key not in {"stopped", "error", "guard"}
+        key: value
+        for key, value in read_state(run_dir).items()
+        if key not in {"stopped", "error", "guard", "leaving"}
     }
     if state:
         write_json(run_dir / STATE_FILE, state)

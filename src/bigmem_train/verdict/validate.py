@@ -11,7 +11,7 @@ from typing import Any
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.sizes import format_bytes
-from bigmem_train.verdict.postmortem import diagnose
+from bigmem_train.verdict.postmortem import after_memory_stop, diagnose
 from bigmem_train.verdict.rundir import (
     FINISHED,
     read_history,
@@ -107,7 +107,12 @@ def evaluate(run_dir: Path) -> Verdict:
         finished_detail = f"{ending.message} ({ending.evidence})" if ending.evidence else ending.message
         finished_detail += f"; {len(history)} of {config.training.epochs} epochs finished"
     elif state_file.get("stopped") == "memory":
-        finished_detail = f"stopped by the memory guard: {state_file.get('message', '')}"
+        finished_detail = f"stopped by the memory guard, checkpoint saved: {state_file.get('message', '')}"
+        killed = after_memory_stop(run_dir, state_file)
+        if killed is not None:
+            # Memory kept growing after the stop: say both, the stop and what ended the process.
+            evidence = f" ({killed.evidence})" if killed.evidence else ""
+            finished_detail += f"; then, on its way out, {killed.message}{evidence}"
     criteria.append(
         Criterion("finished", state == FINISHED and config.training.epochs <= len(history), finished_detail)
     )
