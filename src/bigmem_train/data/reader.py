@@ -59,9 +59,13 @@ class Case:
     centre_foreground: int | None = None
 
 
+# The file names the kit reads and writes as NIfTI volumes.
+NIFTI_SUFFIXES = (".nii.gz", ".nii")
+
+
 def _case_name(path: Path) -> str:
     name = path.name
-    for suffix in (".nii.gz", ".nii"):
+    for suffix in NIFTI_SUFFIXES:
         if name.endswith(suffix):
             return name[: -len(suffix)]
     return name

@@ -34,6 +34,7 @@ from bigmem_train.infer.source import ImageCase, ModelSource
 from bigmem_train.memory.inference import InferencePlan, plan_volume, tile_starts
 from bigmem_train.memory.layers import layer_table
 from bigmem_train.sizes import format_bytes, parse_size
+from bigmem_train.verdict.rundir import write_json
 
 SUMMARY = "predict.json"
 PROBABILITIES_SUFFIX = "_probabilities"
@@ -244,7 +245,7 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
             "seconds": round(seconds, 3),
             "voxels_per_second": round(math.prod(case.shape) / seconds) if seconds > 0 else None,
         }
-        _write_summary(summary_path, summary)
+        write_json(summary_path, summary)
         print(
             f"predict: {number}/{len(todo)} {case.name} {'x'.join(map(str, case.shape))} {plan.mode}"
             f"{'' if plan.mode == 'whole' else ' ' + str(plan.tiles) + ' tiles'} in {seconds:.1f} s "
@@ -252,7 +253,7 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
             file=sys.stderr,
             flush=True,
         )
-    _write_summary(summary_path, summary)
+    write_json(summary_path, summary)
     return summary
 
 
@@ -264,9 +265,3 @@ def _read_summary(path: Path) -> dict:
     except (OSError, ValueError):
         pass
     return {"cases": {}}
-
-
-def _write_summary(path: Path, summary: dict) -> None:
-    partial = path.with_name(PARTIAL_PREFIX + path.name)
-    partial.write_text(json.dumps(summary, indent=2) + "\n")
-    partial.replace(path)

@@ -14,11 +14,10 @@ from typing import Any
 import nibabel as nib
 
 from bigmem_train.config import Config, load_config
-from bigmem_train.data.reader import _READ_ERRORS, _case_name, _geometry
+from bigmem_train.data.reader import _READ_ERRORS, NIFTI_SUFFIXES, _case_name, _geometry
 from bigmem_train.errors import BadInput
 
 CHECKPOINTS = ("best.keras", "last.keras")
-NIFTI_SUFFIXES = (".nii.gz", ".nii")
 
 
 @dataclass(frozen=True)

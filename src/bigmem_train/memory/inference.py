@@ -21,10 +21,9 @@ from typing import Any
 
 from bigmem_train.config import Config
 from bigmem_train.errors import DoesNotFit
+from bigmem_train.memory.estimate import DTYPE_BYTES
 from bigmem_train.memory.layers import expand_recomputed_blocks
 from bigmem_train.sizes import format_bytes
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 
 # Per engine: (runtime baseline bytes, forward factor), the upper envelope of whole predict processes
 # (benchmarks/inference_memory.py --fit; 8 jobs of 0.17-3.22 GiB, whole volumes and tiles): no job above its

@@ -29,10 +29,9 @@ from typing import Any
 import nibabel as nib
 import numpy as np
 
-from bigmem_train.data.reader import _READ_ERRORS, _case_name, _orientation
+from bigmem_train.data.reader import _READ_ERRORS, NIFTI_SUFFIXES, _case_name, _orientation
 from bigmem_train.errors import BadInput
 
-NIFTI_SUFFIXES = (".nii.gz", ".nii")
 # The Decathlon's Task01 (BraTS) label values and the regions the challenge reports.
 BRATS_CLASSES = {1: "edema", 2: "non-enhancing tumour", 3: "enhancing tumour"}
 BRATS_REGIONS = {"whole tumour": (1, 2, 3), "tumour core": (2, 3), "enhancing tumour": (3,)}
