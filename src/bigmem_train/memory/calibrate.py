@@ -32,7 +32,13 @@ from bigmem_train.config import Config, load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.host import cpu_isa, read_cpu_flags, read_cpu_model
 from bigmem_train.memory import layers
-from bigmem_train.memory.constants import MODEL_VERSION, Calibration, calibration_path_for_user
+from bigmem_train.memory.constants import (
+    MODEL_VERSION,
+    PLAN_COVERAGE,
+    Calibration,
+    calibration_path_for_user,
+    run_kind,
+)
 from bigmem_train.memory.estimate import estimate
 from bigmem_train.memory.levers import native_bf16
 
@@ -242,6 +248,10 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
     4 B) + bytes per convolution x convolution layers [+ workspace factor x one sample's largest patch
     matrix, with TensorFlow's own Conv3D kernels only].
 
+    Each job is fitted on its worst (highest) run: the plan is the upper envelope of a job's runs, and
+    :func:`envelope` then adds the least margin that keeps every run (not only the worst) within
+    ``PLAN_COVERAGE`` of its plan, and records where each kind of job's runs end below it.
+
     Each job is weighted by 1 / its measured peak, so the fit minimises relative errors, as the planner is
     judged (and as a margin is set): unweighted, the 8 GiB jobs set every constant and the 0.8 GiB ones
     take what is left. Leaving each calibration job out in turn and predicting it from the others, the mean
@@ -270,6 +280,14 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
         ]
     else:
         samples = [(config, measured) for config, measured, *_ in samples]
+    every_run = samples
+    # The plan is the envelope of a job's runs: each job is fitted on its worst (highest) run.
+    worst: dict[str, tuple[Config, int]] = {}
+    for config, measured in samples:
+        key = config.model_dump_json()
+        if key not in worst or measured > worst[key][1]:
+            worst[key] = (config, measured)
+    samples = list(worst.values())
 
     def features(
         config: Config,
@@ -343,9 +361,37 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
         per_convolution_bytes=int(values.get(4, 0.0) * 2**20),
         file_backed_bytes=file_backed,
     )
-    if not mixed:
-        return fitted  # without mixed-precision jobs such plans use the float32 factors
-    return dataclasses.replace(fitted, mixed_precision_factor=_mixed_precision_factor(fitted, mixed))
+    if mixed:  # without mixed-precision jobs such plans use the float32 factors
+        fitted = dataclasses.replace(fitted, mixed_precision_factor=_mixed_precision_factor(fitted, mixed))
+    return envelope(fitted, every_run)
+
+
+def envelope(fitted: Calibration, runs: list[tuple[Config, int]]) -> Calibration:
+    """``fitted`` made the upper envelope of ``runs`` (every calibration run, not only each job's worst):
+    the least margin that keeps every run within ``PLAN_COVERAGE`` of its plan, and where the runs of
+    each kind (``run_kind``) end against their plans, the range ``plan`` states.
+
+    A margin that covered every run outright would put the plan above a job's mean run by the largest
+    parting any calibration job showed (4.7 % on the EPYC), for every job; the coverage lets a rare run
+    end up to 3 % above the plan instead (docs/design/planner.md, "The plan is an envelope")."""
+    base = dataclasses.replace(fitted, envelope_margin=0.0)
+    estimates = [sum(estimate(config, base).values()) for config, _ in runs]
+    worst_ratio = max(measured / planned for (_, measured), planned in zip(runs, estimates))
+    margin = max(0.0, worst_ratio / (1 + PLAN_COVERAGE) - 1)
+    ranges: dict[str, list[float]] = {}
+    counts: dict[str, int] = {}
+    for (config, measured), planned in zip(runs, estimates):
+        below = 1 - measured / (planned * (1 + margin))
+        kind = run_kind(config)
+        low, high = ranges.get(kind, [below, below])
+        ranges[kind] = [min(low, below), max(high, below)]
+        counts[kind] = counts.get(kind, 0) + 1
+    return dataclasses.replace(
+        fitted,
+        envelope_margin=round(margin, 4),
+        run_range={kind: [round(low, 4), round(high, 4)] for kind, (low, high) in ranges.items()},
+        run_range_runs=counts,
+    )
 
 
 def _mixed_precision_factor(fitted: Calibration, mixed: list[tuple[Config, int]]) -> float:
@@ -393,31 +439,32 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "parameter_copies": calibration.parameter_copies,
         "per_convolution_bytes": calibration.per_convolution_bytes,
         "file_backed_bytes": calibration.file_backed_bytes,
+        "envelope_margin": calibration.envelope_margin,
+        "run_range": calibration.run_range,
+        "run_range_runs": calibration.run_range_runs,
         "measured": measured,
     }
 
 
 # Each calibration job is measured this many times: the same job's peak varies from one process to the
-# next (allocation order), and every repeat halves that noise in the fit.
-CALIBRATION_REPEATS = 2
+# next (allocation order), the constants are fitted on each job's worst run and the envelope on all.
+CALIBRATION_REPEATS = 3
 
 
-def calibrate(
-    base: Config | None = None,
-    jobs: list[dict[str, Any]] | None = None,
+def measure_jobs(
+    base: Config,
+    jobs: list[dict[str, Any]],
+    workdir: Path,
+    repeats: int,
     log: Callable[[str], None] | None = print,
-    path: Path | None = None,
-    repeats: int = CALIBRATION_REPEATS,
-    workdir: Path | None = None,
-) -> Path:
-    """Measure ``jobs`` (default ``calibration_jobs``: the mixed-precision ones where bf16 is native)
-    ``repeats`` times each as short whole runs
-    (:func:`measure_run`), fit the constants, store them; return the file."""
-    base = base or load_config()
-    workdir = workdir or layers.cache_dir() / "calibration-runs"
-    samples, records = [], []
-    for repeat in range(repeats):
-        for index, job in enumerate(jobs or calibration_jobs(read_cpu_flags())):
+    first_repeat: int = 0,
+) -> tuple[list[tuple[Config, int, int | None]], list[dict[str, Any]], dict[str, Any]]:
+    """Measure ``jobs`` ``repeats`` times each as short whole runs (:func:`measure_run`), every job once
+    before any twice; return the fit's samples, the calibration file's records of them and the last
+    run's metrics (its runtime)."""
+    samples, records, measured = [], [], {}
+    for repeat in range(first_repeat, first_repeat + repeats):
+        for index, job in enumerate(jobs):
             config = job_config(base, **job)
             measured = measure_run(config, workdir, f"calibration-{index}-{repeat}")
             samples.append((config, measured["peak_rss_bytes"], measured.get("file_backed_at_start_bytes")))
@@ -434,6 +481,40 @@ def calibrate(
                     f"  measured {job}: peak {measured['peak_rss_bytes'] / 2**30:.3f} GiB "
                     f"({measured['wall_seconds']} s)"
                 )
+    return samples, records, measured
+
+
+RECORD_FIGURES = ("peak_rss_bytes", "file_backed_at_peak_bytes", "file_backed_at_start_bytes", "date")
+
+
+def samples_of(base: Config, records: list[dict[str, Any]]) -> list[tuple[Config, int, int | None]]:
+    """The fit's samples from a calibration file's records (the job's keys and its figures)."""
+    samples = []
+    for record in records:
+        job = {key: value for key, value in record.items() if key not in RECORD_FIGURES}
+        job["shape"] = tuple(job["shape"])
+        samples.append(
+            (job_config(base, **job), record["peak_rss_bytes"], record.get("file_backed_at_start_bytes"))
+        )
+    return samples
+
+
+def calibrate(
+    base: Config | None = None,
+    jobs: list[dict[str, Any]] | None = None,
+    log: Callable[[str], None] | None = print,
+    path: Path | None = None,
+    repeats: int = CALIBRATION_REPEATS,
+    workdir: Path | None = None,
+) -> Path:
+    """Measure ``jobs`` (default ``calibration_jobs``: the mixed-precision ones where bf16 is native)
+    ``repeats`` times each as short whole runs
+    (:func:`measure_run`), fit the constants, store them; return the file."""
+    base = base or load_config()
+    workdir = workdir or layers.cache_dir() / "calibration-runs"
+    samples, records, measured = measure_jobs(
+        base, jobs or calibration_jobs(read_cpu_flags()), workdir, repeats, log
+    )
     fitted = fit_constants(samples)
     path = path or (
         Path(os.environ["BIGMEM_CALIBRATION"])
@@ -447,7 +528,8 @@ def calibrate(
             "how": f"{len(records)} whole runs ({repeats} of each job), each `bigmem-train train` in its own process: "
             f"{WHOLE_RUN_EPOCHS} epochs of {WHOLE_RUN_STEPS} steps on a synthetic NIfTI dataset read through the "
             "real pipeline, validation each epoch, checkpoints, TensorBoard, the sampler; the run's runtime "
-            "(oneDNN switch, allocator preloaded, threads); peak RSS (metrics.json)",
+            "(oneDNN switch, allocator preloaded, threads); peak RSS (metrics.json); fitted on each job's "
+            "worst run, the envelope on every run",
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             **runtime_record(base, measured),
             "jobs": records,
@@ -456,3 +538,54 @@ def calibrate(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def refit(path: Path, added: list[dict[str, Any]], note: str | None = None) -> dict[str, Any]:
+    """Refit the calibration file ``path`` on its stored runs plus ``added`` records (more runs of its
+    jobs, as ``measure_jobs`` records them) and rewrite it; return the new constants. The runs and how
+    they were measured are kept; ``note`` is appended to its ``how``."""
+    data = json.loads(path.read_text())
+    measured = data["measured"]
+    measured["jobs"] = measured["jobs"] + added
+    fitted = fit_constants(samples_of(load_config(), measured["jobs"]))
+    if note:
+        measured["how"] = f"{measured['how']}; {note}"
+    measured["refitted"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    new = calibration_data(fitted, measured)
+    path.write_text(json.dumps(new, indent=2) + "\n")
+    return {key: value for key, value in new.items() if key != "measured"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bigmem_train.memory.calibrate``: measure more runs of the calibration jobs into a JSON
+    lines file, or refit a calibration file on its runs plus such a file (how the shipped constants are
+    made from runs taken at different times)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--measure-into", type=Path, metavar="JSONL", help="append one record per run")
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--refit", type=Path, metavar="CALIBRATION_JSON")
+    parser.add_argument(
+        "--add", type=Path, metavar="JSONL", help="runs to add to the file's before refitting"
+    )
+    parser.add_argument("--note", help="appended to the file's measured.how")
+    args = parser.parse_args(argv)
+    if args.measure_into:
+        base = load_config()
+        workdir = layers.cache_dir() / "calibration-runs"
+        for repeat in range(args.repeats):
+            _, records, _ = measure_jobs(base, calibration_jobs(read_cpu_flags()), workdir, 1, print, repeat)
+            with args.measure_into.open("a") as stream:
+                for record in records:
+                    stream.write(json.dumps({**record, "date": time.strftime("%Y-%m-%d")}) + "\n")
+    if args.refit:
+        added = []
+        if args.add:
+            added = [json.loads(line) for line in args.add.read_text().splitlines() if line.strip()]
+        print(json.dumps(refit(args.refit, added, args.note), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -64,11 +64,35 @@ class Calibration:
     # whole, docs/design/planner.md), so a run measures its own once TensorFlow and the model are loaded and its
     # plan trades this figure for it (``JobPlan.with_file_backed``).
     file_backed_bytes: int | None = None
+    # The plan is the upper envelope of a job's runs, not their middle (``PLAN_COVERAGE``): this share of
+    # the fitted estimate is added to every plan, the least that keeps each calibration run within the
+    # coverage of its plan (``calibrate.envelope``). 0 for files fitted before it existed.
+    envelope_margin: float = 0.0
+    # Where runs end against their plan, per kind of job (``run_kind``): [least, most] below the plan as
+    # a fraction of it (negative: above it), over the calibration runs of that kind; and how many runs.
+    run_range: dict[str, list[float]] = field(default_factory=dict)
+    run_range_runs: dict[str, int] = field(default_factory=dict)
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
     # Calibration files passed over on the way to this one: fitted for the model before the activation
     # factor (no ``activation_factor``), whose baseline and workspace factor mean something else.
     skipped: list[str] = field(default_factory=list)
+
+    def expected_range(self, config: Config) -> dict[str, Any] | None:
+        """Where a run of ``config``'s kind is expected to end against its plan: {"kind", "below":
+        [least, most] fraction below the plan, "runs", "coverage"}; None for constants fitted before
+        ranges were recorded."""
+        kind = run_kind(config)
+        below = self.run_range.get(kind) or self.run_range.get("plain")
+        if not below:
+            return None
+        return {
+            "kind": kind if kind in self.run_range else "plain",
+            "below": [float(below[0]), float(below[1])],
+            "runs": int(self.run_range_runs.get(kind if kind in self.run_range else "plain", 0)),
+            "coverage": PLAN_COVERAGE,
+            "cost_bound": PLAN_COST_BOUND,
+        }
 
     def warning(self, config: Config, host: HostFacts | None = None) -> str | None:
         """What the plan should warn about these constants for ``config`` on ``host`` (files passed over,
@@ -127,6 +151,27 @@ class Calibration:
             f"{config.runtime.tensor_allocator}; "
             "rerun `bigmem-train plan --calibrate` with its runtime"
         )
+
+
+# The plan is what the host must hold: the upper envelope of the job's runs. The same job's peak parts
+# from run to run (up to 16 % for a recomputed job, 11 % for a large plain one: tcmalloc keeps freed pages
+# in an order set by timing), which is accepted as a property of the runtime (docs/design/planner.md,
+# "The plan is an envelope"). Judged on jobs it was not fitted on, run three times each:
+# - coverage: no run ends above its plan by more than PLAN_COVERAGE;
+# - cost: the plan is above the job's mean run by at most PLAN_COST_BOUND (and by 4 % at the median).
+# The verdict's plan criterion and --target sizing follow the same two numbers.
+PLAN_COVERAGE = 0.03
+PLAN_COST_BOUND = 0.12
+
+
+def run_kind(config: Config) -> str:
+    """The kind of job whose runs part alike: "recompute" (blocks rebuilt in backward strand the most
+    pages), "mixed" (runtime.precision not float32), else "plain"."""
+    if config.model.recompute:
+        return "recompute"
+    if config.runtime.precision != "float32":
+        return "mixed"
+    return "plain"
 
 
 PACKAGED_CALIBRATION = Path(__file__).parent / "calibration.json"
@@ -206,6 +251,9 @@ def load_calibration() -> Calibration:
             file_backed_bytes=(
                 None if data.get("file_backed_bytes") is None else int(data["file_backed_bytes"])
             ),
+            envelope_margin=float(data.get("envelope_margin") or 0.0),
+            run_range={kind: list(pair) for kind, pair in (data.get("run_range") or {}).items()},
+            run_range_runs={kind: int(n) for kind, n in (data.get("run_range_runs") or {}).items()},
             source=str(path),
             measured=data.get("measured", {}),
             skipped=skipped,

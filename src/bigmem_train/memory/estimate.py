@@ -30,6 +30,7 @@ BREAKDOWN_KEYS = (
     "workspace",
     "input_pipeline",
     "runtime_baseline",
+    "envelope",
 )
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -464,7 +465,7 @@ def breakdown_for(
     workspace = (
         int(factor * live) - activations + int(calibration.workspace_factor * column_buffers) + scratchpad
     )
-    return {
+    parts = {
         "weights": weights,
         "gradients": gradients,
         "optimizer_slots": optimizer_slots,
@@ -475,6 +476,9 @@ def breakdown_for(
         "input_pipeline": _input_pipeline_bytes(config, batch, shape),
         "runtime_baseline": calibration.runtime_baseline_bytes,
     }
+    # The plan is the upper envelope of the job's runs, not their middle (constants.PLAN_COVERAGE).
+    parts["envelope"] = int(calibration.envelope_margin * sum(parts.values()))
+    return parts
 
 
 def estimate(config: Config, calibration: Calibration | None = None) -> dict[str, int]:

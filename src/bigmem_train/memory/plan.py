@@ -9,7 +9,7 @@ from bigmem_train.config import Config
 from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.host import HostFacts
 from bigmem_train.memory import constants, layers
-from bigmem_train.memory.constants import Calibration
+from bigmem_train.memory.constants import PLAN_COVERAGE, Calibration
 from bigmem_train.memory.estimate import breakdown_for
 from bigmem_train.memory.levers import Lever, cheapest_keeping_job, levers_to_fit
 from bigmem_train.memory.placement import Placement, decide_placement
@@ -41,6 +41,20 @@ class JobPlan:
     # run's own once it has measured it (``with_file_backed``); None where unknown.
     file_backed_calibrated_bytes: int | None = None
     file_backed_measured_bytes: int | None = None
+    # Where runs of this kind end against the plan (``Calibration.expected_range``): fractions below it,
+    # the coverage (how far above it a run may end) and the calibration runs it comes from; None for
+    # constants fitted before ranges were recorded.
+    expected_range: dict[str, Any] | None = None
+
+    def range_bytes(self) -> tuple[int, int] | None:
+        """(lowest, highest) peak a run of this plan is expected to end at, or None."""
+        if not self.expected_range:
+            return None
+        most_below = max(self.expected_range["below"][1], 0.0)
+        return (
+            int(self.peak_bytes * (1 - most_below)),
+            int(self.peak_bytes * (1 + self.expected_range["coverage"])),
+        )
 
     def with_file_backed(self, measured: int) -> JobPlan:
         """This plan with the runtime baseline's file-backed part measured in the training process
@@ -79,6 +93,7 @@ class JobPlan:
             lever=data.get("lever"),
             file_backed_calibrated_bytes=(data.get("runtime_file_backed") or {}).get("calibrated_bytes"),
             file_backed_measured_bytes=(data.get("runtime_file_backed") or {}).get("measured_bytes"),
+            expected_range=_range_from_dict(data.get("expected_range")),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,7 +119,44 @@ class JobPlan:
                 "calibrated_bytes": self.file_backed_calibrated_bytes,
                 "measured_bytes": self.file_backed_measured_bytes,
             },
+            "expected_range": self._range_dict(),
         }
+
+    def _range_dict(self) -> dict[str, Any] | None:
+        bounds = self.range_bytes()
+        if bounds is None or self.expected_range is None:
+            return None
+        return {
+            **self.expected_range,
+            "low_bytes": bounds[0],
+            "low_gib": gib(bounds[0]),
+            "high_bytes": bounds[1],
+            "high_gib": gib(bounds[1]),
+        }
+
+    def range_statement(self) -> str | None:
+        """ "runs of this kind end 0.4-5.1 % below it ..." for a person, or None."""
+        if not self.expected_range:
+            return None
+        low, high = self.expected_range["below"]
+        coverage = self.expected_range["coverage"]
+        return (
+            f"the plan is the upper envelope of this kind of job's runs ({self.expected_range['kind']}): "
+            f"its {self.expected_range['runs']} calibration runs ended {_percent(low)} to {_percent(high)} "
+            f"below it, and a run may end at most {coverage:.0%} above it "
+            f"({format_bytes(self.range_bytes()[0])} to {format_bytes(self.range_bytes()[1])})"
+        )
+
+
+def _percent(fraction: float) -> str:
+    """-0.012 -> "-1.2 %" (above the plan), 0.051 -> "5.1 %"."""
+    return f"{fraction * 100:.1f} %"
+
+
+def _range_from_dict(data: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not data:
+        return None
+    return {key: data[key] for key in ("kind", "below", "runs", "coverage", "cost_bound") if key in data}
 
 
 def plan_job(
@@ -133,12 +185,12 @@ def plan_job(
     sized, lever = config, None
     limit = target if target is not None else _host_limit(config, host)
     if config.footprint.levers == "auto" and limit is not None:
-        lever = _lever_for(per_host, limit, calibration, host)
+        lever = _lever_for(per_host, sizing_limit(limit) if target is not None else limit, calibration, host)
         if lever is not None:
             sized = with_job_size(lever.config, config.training.batch_size, tuple(config.data.input_shape))
             table = layers.layer_table(sized)
     if target is not None and lever is None:
-        batch, shape = size_to_target(per_host, target, table, calibration)
+        batch, shape = size_to_target(per_host, sizing_limit(target), table, calibration)
         sized = with_job_size(config, batch * workers, shape)
     breakdown = breakdown_for(
         sized, table, calibration, sized.training.batch_size // workers, tuple(sized.data.input_shape)
@@ -188,7 +240,14 @@ def plan_job(
         workers,
         lever.change if lever else None,
         calibration.file_backed_bytes,
+        expected_range=calibration.expected_range(sized),
     )
+
+
+def sizing_limit(target: int) -> int:
+    """The plan a job sized to ``target`` may have: a run may end up to PLAN_COVERAGE above its plan, and
+    a job sized to a target must not pass it."""
+    return int(target / (1 + PLAN_COVERAGE))
 
 
 def _short_of(peak: int, target: int, config: Config) -> bool:
