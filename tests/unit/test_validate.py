@@ -166,6 +166,19 @@ def test_report_shows_the_planned_breakdown_next_to_the_measured_peak(tmp_path):
     assert "<td>activations</td><td>1.50 GiB</td>" in text
     assert "<td>runtime baseline</td><td>0.74 GiB</td>" in text
     assert "<th>peak</th><th>2.85 GiB</th><th>3.00 GiB (-5.0% planned vs measured)</th>" in text
+    assert "expected range" not in text  # constants fitted before ranges were recorded state none
+    plan["expected_range"] = {
+        "kind": "plain",
+        "below": [0.004, 0.061],
+        "runs": 60,
+        "coverage": 0.03,
+        "low_bytes": int(2.85 * (1 - 0.061) * 2**30),
+        "high_bytes": int(2.85 * 1.03 * 2**30),
+    }
+    (run_dir / "plan.json").write_text(json.dumps(plan))
+    text = write_report(run_dir).read_text()
+    assert "<td>expected range</td><td>2.68 GiB to 2.94 GiB</td>" in text
+    assert "60 calibration runs ended 0.4% to 6.1% below it" in text
 
 
 def test_validate_command_exit_codes(tmp_path, capsys):

@@ -132,6 +132,15 @@ def _planned_memory_rows(plan: dict, metrics: dict) -> str:
     if planned_peak and measured_peak:
         error = f" ({(planned_peak - measured_peak) / measured_peak:+.1%} planned vs measured)"
     rows.append(f"<tr><th>peak</th><th>{_gib(planned_peak)}</th><th>{_gib(measured_peak)}{error}</th></tr>")
+    stated = plan.get("expected_range") or {}
+    if stated.get("low_bytes") and stated.get("high_bytes"):
+        low, high = stated["below"]
+        rows.append(
+            f"<tr><td>expected range</td><td>{_gib(stated['low_bytes'])} to {_gib(stated['high_bytes'])}</td>"
+            f"<td>the plan is the upper envelope of this kind of job's runs: {stated.get('runs', '?')} "
+            f"calibration runs ended {low:.1%} to {high:.1%} below it; a run may end at most "
+            f"{stated.get('coverage', 0.03):.0%} above it</td></tr>"
+        )
     return "\n".join(rows)
 
 
