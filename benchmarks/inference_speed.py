@@ -10,7 +10,7 @@ counted). Peak memory is each process's peak resident set.
 
     python benchmarks/inference_speed.py --repeats 3     # ~4 min on 2 cores
 
-Writes benchmarks/results/inference_speed.json.
+Writes benchmarks/results/inference_speed.json (or --out).
 """
 
 from __future__ import annotations
@@ -107,6 +107,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help=f"default {RESULTS.relative_to(HERE.parent)}"
+    )
     args = parser.parse_args()
     import nibabel as nib
     import numpy as np
@@ -155,9 +158,13 @@ def main() -> None:
                 summary[name]["median_peak_gib"] / summary["peer"]["median_peak_gib"], 3
             )
     summary["mask_dice_agreement_with_peer"] = agreement
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(
-        json.dumps({"shape": SHAPE, "padded": PADDED, "runs": runs, "summary": summary}, indent=2) + "\n"
+    from bigmem_train.host import cpu_isa, read_cpu_flags, read_cpu_model
+
+    args.out.parent.mkdir(exist_ok=True)
+    cpu = {"model": read_cpu_model(), "isa": cpu_isa(read_cpu_flags()), "cpus": os.cpu_count()}
+    args.out.write_text(
+        json.dumps({"shape": SHAPE, "padded": PADDED, "cpu": cpu, "runs": runs, "summary": summary}, indent=2)
+        + "\n"
     )
     print(json.dumps(summary, indent=2))
 

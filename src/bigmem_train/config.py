@@ -234,16 +234,18 @@ class FootprintConfig(_Section):
         0.10,
         gt=0.0,
         lt=1.0,
-        description="Allowed relative distance of the measured peak from the target (or plan): the same job's "
-        "peak parts from run to run by up to a tenth for large plain jobs (176x176x128 b3: 11.11 and 12.30 "
-        "GiB; docs/design/planner.md, Accuracy).",
+        description="Allowed relative distance of the measured peak from the target: the same job's peak parts "
+        "from run to run by up to a tenth for large plain jobs (176x176x128 b3: 11.11 and 12.30 GiB). The plan "
+        "criterion has its own bounds: a run may end at most 3 % above its plan (docs/design/planner.md, "
+        '"The plan is an envelope").',
     )
     safety_margin: float = Field(
         0.10,
         ge=0.0,
         lt=1.0,
-        description="Share of available memory kept free when deciding whether a plan fits: the plan is an "
-        "envelope runs end inside, recomputed jobs up to 14 % over their plans (docs/design/planner.md).",
+        description="Share of available memory kept free when deciding whether a plan fits: the plan is the "
+        "upper envelope of a job's runs, and a rare run of a recomputed job has ended 15 % above it "
+        "(docs/results/planner-accuracy.md).",
     )
     resize: Literal["batch", "shape", "both"] = Field(
         "both",

@@ -120,9 +120,9 @@ def test_a_target_is_a_ceiling_for_a_job_a_lever_kept(tmp_path, peak, passes):
         # The plan is the upper envelope: a run may end at most 3 % above it (coverage)...
         (10 * 2**30, int(9.75 * 2**30), True),
         (10 * 2**30, int(9.6 * 2**30), False),
-        # ...and below it by up to the cost bound (a plan 12 % above the run: 10.7 % below the plan).
-        (10 * 2**30, int(11.1 * 2**30), True),
-        (10 * 2**30, int(11.5 * 2**30), False),
+        # ...and below it by up to the cost the runs support (a plan 20 % above the run: 16.7 % below it).
+        (10 * 2**30, int(11.9 * 2**30), True),
+        (10 * 2**30, int(12.2 * 2**30), False),
         # A small job: within 0.25 GiB of its plan passes whatever the share (the runtime's own spread).
         (int(0.80 * 2**30), int(0.89 * 2**30), True),
         (int(0.80 * 2**30), int(1.10 * 2**30), False),
@@ -141,15 +141,15 @@ def test_every_run_checks_the_plan_against_its_measured_peak(tmp_path, peak, pla
 def test_plan_criterion_takes_the_lower_end_of_the_stated_range(tmp_path):
     """A run below its plan fails only past what the runs support: the range plan.json states, where it is
     wider than the cost bound."""
-    planned, peak = int(11.6 * 2**30), 10 * 2**30  # 13.8 % below the plan
-    stated = {"kind": "recompute", "below": [-0.01, 0.15], "runs": 12, "coverage": 0.03, "cost_bound": 0.12}
+    planned, peak = int(12.8 * 2**30), 10 * 2**30  # 21.9 % below the plan
+    stated = {"kind": "recompute", "below": [-0.01, 0.25], "runs": 12, "coverage": 0.03, "cost_bound": 0.12}
     run_dir = make_run(tmp_path, GOOD, peak=peak, planned=planned)
     assert not next(c for c in evaluate(run_dir).criteria if c.name == "plan").passed
     plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").exists() else {}
     (run_dir / "plan.json").write_text(json.dumps({**plan, "expected_range": stated}))
     criterion = next(c for c in evaluate(run_dir).criteria if c.name == "plan")
     assert criterion.passed, criterion.detail
-    assert "ended -1.0% to 15.0% below their plans in calibration" in criterion.detail
+    assert "ended -1.0% to 25.0% below their plans in calibration" in criterion.detail
 
 
 def test_report_shows_the_planned_breakdown_next_to_the_measured_peak(tmp_path):

@@ -162,6 +162,10 @@ class Calibration:
 # The verdict's plan criterion and --target sizing follow the same two numbers.
 PLAN_COVERAGE = 0.03
 PLAN_COST_BOUND = 0.12
+# What the scored runs support today (docs/results/planner-accuracy.md): with one margin for every kind of
+# job, the plan was up to 19.4 % above a job's mean run, so the verdict fails a run below its plan only
+# past 20 % above it (1 - 1/1.2 = 16.7 % below), not past the 12 % goal.
+PLAN_COST_MEASURED = 0.20
 
 
 def run_kind(config: Config) -> str:

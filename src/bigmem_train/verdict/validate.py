@@ -10,7 +10,7 @@ from typing import Any
 
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
-from bigmem_train.memory.constants import PLAN_COST_BOUND, PLAN_COVERAGE
+from bigmem_train.memory.constants import PLAN_COST_MEASURED, PLAN_COVERAGE
 from bigmem_train.sizes import format_bytes
 from bigmem_train.verdict.postmortem import after_memory_stop, diagnose
 from bigmem_train.verdict.rundir import (
@@ -225,10 +225,10 @@ def plan_criterion(planned: int, peak: int, expected_range: dict[str, Any] | Non
     """The plan is the upper envelope of the job's runs (constants.PLAN_COVERAGE): a run above it by more
     than the coverage fails, since preflight would pass a job the host cannot hold; a run below it is
     reported, and fails only past what the runs support (the lower end of the stated range, and no less
-    than the cost bound: a plan above its runs by more than PLAN_COST_BOUND refuses jobs a host can hold).
+    than the cost bound: a plan above its runs by more than PLAN_COST_MEASURED, what the scored runs support, refuses jobs a host can hold).
     Within PLAN_CHECK_FLOOR_BYTES either way always passes: that is the runtime's own memory."""
     coverage = (expected_range or {}).get("coverage", PLAN_COVERAGE)
-    cost_bound = (expected_range or {}).get("cost_bound", PLAN_COST_BOUND)
+    cost_bound = max((expected_range or {}).get("cost_bound", 0.0), PLAN_COST_MEASURED)
     lowest = 1 - 1 / (1 + cost_bound)
     stated = ""
     if expected_range:
