@@ -225,8 +225,8 @@ def plan_criterion(planned: int, peak: int, expected_range: dict[str, Any] | Non
     """The plan is the upper envelope of the job's runs (constants.PLAN_COVERAGE): a run above it by more
     than the coverage fails, since preflight would pass a job the host cannot hold; a run below it is
     reported, and fails only past what the runs support (the lower end of the stated range, and no less
-    than the cost bound: a plan above its runs by more than PLAN_COST_MEASURED, what the scored runs support, refuses jobs a host can hold).
-    Within PLAN_CHECK_FLOOR_BYTES either way always passes: that is the runtime's own memory."""
+    than PLAN_COST_MEASURED, what the scored runs support: a plan further above its runs refuses jobs a
+    host can hold). Within PLAN_CHECK_FLOOR_BYTES either way always passes: the runtime's own memory."""
     coverage = (expected_range or {}).get("coverage", PLAN_COVERAGE)
     cost_bound = max((expected_range or {}).get("cost_bound", 0.0), PLAN_COST_MEASURED)
     lowest = 1 - 1 / (1 + cost_bound)
