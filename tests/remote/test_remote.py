@@ -1,6 +1,7 @@
 """`bigmem-train remote` against a real sshd on loopback (tests/fixtures/sshd.py), key login only,
-running the real commands: start a tiny job detached (--no-docker), status, logs, stop, fetch; and the
-one-line errors: unknown host, unreachable port, wrong key, no such job."""
+running the real commands: start a tiny job detached (--no-docker), status, logs, stop, fetch; predict
+with it on the host and evaluate; and the one-line errors: unknown host, unreachable port, wrong key, no
+such job, a predict whose model, data or name the host does not have or cannot give."""
 
 import json
 import os
@@ -10,12 +11,23 @@ import sys
 import time
 from pathlib import Path
 
+import nibabel as nib
 import pytest
 
+import bigmem_train
 from bigmem_train.ops.remote import load_inventory
 from tests.fixtures.common import free_port, write_tiny_job
 
-EXECUTABLE = Path(sys.executable).with_name("bigmem-train")
+
+def host_executable(folder: Path) -> Path:
+    """The host's `bigmem-train`: the package under test, wherever the environment's entry point points."""
+    source = Path(bigmem_train.__file__).resolve().parents[1]
+    script = folder / "bigmem-train"
+    script.write_text(
+        f'#!/bin/sh\nPYTHONPATH={source}${{PYTHONPATH:+:$PYTHONPATH}} exec {sys.executable} -m bigmem_train.cli "$@"\n'
+    )
+    script.chmod(0o755)
+    return script
 
 
 def remote(*args, inventory, timeout=300):
@@ -39,6 +51,8 @@ def inventory(sshd, tmp_path) -> Path:
     (keys / "lab_ed25519").write_bytes(sshd.key_file.read_bytes())
     (keys / "lab_ed25519").chmod(0o600)
     path = tmp_path / "inventory.ini"
+    (tmp_path / "bin").mkdir()
+    executable = host_executable(tmp_path / "bin")
     path.write_text(f"""\
 [labs]
 lab ansible_host={sshd.host} ansible_port={sshd.port} ansible_ssh_private_key_file=keys/lab_ed25519
@@ -46,7 +60,7 @@ lab ansible_host={sshd.host} ansible_port={sshd.port} ansible_ssh_private_key_fi
 [labs:vars]
 ansible_user={sshd.user}
 bigmem_train_remote_dir={tmp_path}/remote
-bigmem_train_executable={EXECUTABLE}
+bigmem_train_executable={executable}
 
 [broken]
 closed-port ansible_host=127.0.0.1 ansible_port={free_port()} ansible_user={sshd.user} ansible_ssh_private_key_file={sshd.key_file}
@@ -74,7 +88,7 @@ def test_inventory_read_with_ansible_semantics(inventory, sshd, tmp_path):
     lab = parsed.host("lab")
     assert (lab.address, lab.port, lab.user) == (sshd.host, sshd.port, sshd.user)
     assert lab.key_file == str(tmp_path / "keys" / "lab_ed25519")
-    assert lab.remote_dir == f"{tmp_path}/remote" and lab.executable == str(EXECUTABLE)
+    assert lab.remote_dir == f"{tmp_path}/remote" and lab.executable == str(tmp_path / "bin" / "bigmem-train")
     assert parsed.groups["broken"] == ["closed-port", "wrong-key"]
     assert [host.name for host in parsed.targets("lab")] == ["lab"]
 
@@ -224,7 +238,7 @@ def test_start_a_two_worker_job_on_a_group(sshd, tmp_path):
     inventory = tmp_path / "workers.ini"
     inventory.write_text(
         f"[workers]\n{hosts}\n\n[workers:vars]\nansible_user={sshd.user}\n"
-        f"ansible_ssh_private_key_file={sshd.key_file}\nbigmem_train_executable={EXECUTABLE}\n"
+        f"ansible_ssh_private_key_file={sshd.key_file}\nbigmem_train_executable={host_executable(tmp_path)}\n"
     )
     config = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker")
     try:
@@ -284,3 +298,154 @@ def test_container_job_over_ssh(inventory, tmp_path, bigmem_image):
         assert "PASS" in (tmp_path / "fetched" / "boxed" / "job.log").read_text()
     finally:
         subprocess.run(["docker", "rm", "-f", "boxed"], capture_output=True, timeout=60)
+
+
+# --- remote predict ------------------------------------------------------------------------------------
+
+
+def _fake_job(tmp_path: Path, name: str, **fields) -> Path:
+    """A job folder on the test host as `remote start` leaves it, written directly. By default a container
+    job whose container does not exist: not running, and no pid for the fixture's teardown to signal."""
+    folder = tmp_path / "remote" / "jobs" / name
+    (folder / "results").mkdir(parents=True)
+    job = {
+        "name": name,
+        "mode": "docker",
+        "container": f"bigmem-test-absent-{name}",
+        "run_dir": f"results/{name}",
+    }
+    (folder / "job.json").write_text(json.dumps({**job, **fields}))
+    return folder
+
+
+def _fake_run(folder: Path, checkpoint: bool = True) -> Path:
+    """The files `remote predict` looks for on the host in a run directory (what they hold is predict's
+    concern: these are not a model, so a predict started with them fails on the host)."""
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "config.yaml").write_text("{}\n")
+    if checkpoint:
+        (folder / "checkpoints" / "best.keras").write_bytes(b"")
+    return folder
+
+
+def test_predict_refuses_bad_input_before_starting(inventory, tmp_path):
+    images, run = tmp_path / "images", _fake_run(tmp_path / "runs" / "trained")
+    images.mkdir()
+    _fake_job(tmp_path, "fresh")  # a training job without a run directory yet
+    _fake_run(_fake_job(tmp_path, "untrained") / "results" / "untrained", checkpoint=False)
+    _fake_job(tmp_path, "predicted", command="predict")
+    sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        _fake_job(tmp_path, "busy", mode="process", pid=sleeper.pid)  # a training job that is running
+        model = ["--model", run, "--data", images]
+        cases = [
+            (["nowhere", "--job", "fresh", "--data", images], "host 'nowhere' is not in inventory"),
+            (["lab", "--data", images], "give either --model"),
+            (["lab", *model, "--job", "fresh"], "give either --model"),
+            (["lab", *model, "--tile", "8,8"], "--tile 8,8: give three positive edges"),
+            (["lab", *model, "--target", "lots"], "--target lots: size 'lots' is not a size"),
+            (["lab", "--job", "ghost", "--data", images], "no job named ghost on lab"),
+            (["lab", "--job", "fresh", "--data", images], "--job fresh: no run directory on lab"),
+            (["lab", "--job", "untrained", "--data", images], "--job untrained: no trained model on lab yet"),
+            (["lab", "--job", "predicted", "--data", images], "--job predicted: a predict job on lab, not a"),
+            (["lab", "--job", "busy", "--data", images], "--job busy is still training on lab"),
+            (
+                ["lab", "--model", tmp_path / "runs" / "gone", "--data", images],
+                f"--model {tmp_path}/runs/gone: does not exist on lab",
+            ),
+            (["lab", "--model", images, "--data", images], f"--model {images}: not a run directory on lab"),
+            (
+                ["lab", "--model", run, "--data", tmp_path / "scans"],
+                f"--data {tmp_path}/scans: does not exist",
+            ),
+            (["lab", *model, "--labels", tmp_path / "labels"], f"--labels {tmp_path}/labels: does not exist"),
+            (["lab", *model, "--name", "fresh"], "job fresh on lab is a training job; choose another --name"),
+            (["lab", *model, "--name", "busy"], "job busy is already running on lab"),
+        ]
+        for arguments, message in cases:
+            name = [] if "--name" in arguments else ["--name", "refused"]
+            result = remote("predict", *arguments, *name, "--no-docker", inventory=inventory)
+            assert result.returncode == 2 and message in one_line(result), (arguments, result.stderr)
+        assert not (tmp_path / "remote" / "jobs" / "refused").exists()
+        assert (
+            sleeper.poll() is None and json.loads((tmp_path / "remote/jobs/busy/job.json").read_text())["pid"]
+        )
+
+        # A training job may not take a predict job's name either: both would write results/NAME.
+        config = write_tiny_job(tmp_path / "tiny.yaml")
+        started = remote(
+            "start", "lab", "--config", config, "--name", "predicted", "--no-docker", inventory=inventory
+        )
+        assert started.returncode == 2 and "job predicted on lab is a predict job" in one_line(started)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_failed_predict_keeps_its_exit_code(inventory, tmp_path):
+    """predict fails on the host (the run's files are not a model): the job ends with predict's exit code 2,
+    evaluate never runs, and status says so."""
+    run, images, labels = _fake_run(tmp_path / "run"), tmp_path / "images", tmp_path / "labels"
+    images.mkdir()
+    labels.mkdir()
+    started = remote(
+        "predict", "lab", "--model", run, "--data", images, "--labels", labels, "--name", "broken",
+        "--no-docker", inventory=inventory,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert "started broken on lab (pid" in started.stdout and "predict then evaluate" in started.stdout
+    followed = remote("logs", "lab", "broken", "--follow", inventory=inventory, timeout=300)
+    # predict's one error, and nothing from evaluate (which would fail too, on a folder without masks).
+    assert followed.stdout.count("bigmem-train: error:") == 1, followed.stdout
+    assert "not a Keras model file" in followed.stdout and "evaluate" not in followed.stdout, followed.stdout
+    status = _status(inventory, "broken")
+    assert (status["command"], status["state"], status["exit_code"]) == ("predict", "failed", 2), status
+    assert status["cases_done"] == 0 and "evaluation" not in status
+    assert (
+        "broken on lab: failed (exit code 2)" in remote("status", "lab", "broken", inventory=inventory).stdout
+    )
+
+
+@pytest.mark.slow
+def test_predict_and_evaluate_with_a_remote_training_job(inventory, tmp_path):
+    """Train a tiny job remotely, then predict its own synthetic images on the host with `--job` and
+    evaluate them against its labels: status, and the masks fetched back with the images' geometry."""
+    config = write_tiny_job(tmp_path / "tiny.yaml", epochs=2)
+    started = remote(
+        "start", "lab", "--config", config, "--name", "trained", "--no-docker", inventory=inventory
+    )
+    assert started.returncode == 0, started.stderr
+    trained = remote("logs", "lab", "trained", "--follow", inventory=inventory, timeout=900)
+    assert "PASS" in trained.stdout, trained.stdout[-3000:]
+    dataset = next((tmp_path / "remote" / "jobs" / "trained" / "results").glob("synthetic-*"))
+    images = sorted((dataset / "imagesTr").glob("*.nii.gz"))
+
+    started = remote(
+        "predict", "lab", "--job", "trained", "--data", dataset / "imagesTr", "--labels", dataset / "labelsTr",
+        "--name", "p1", "--no-docker", inventory=inventory,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert "started p1 on lab (pid" in started.stdout and f"{dataset.parent}/trained" in started.stdout
+    followed = remote("logs", "lab", "p1", "--follow", inventory=inventory, timeout=900)
+    assert f"PREDICTED {len(images)} case(s)" in followed.stdout, followed.stdout[-3000:]
+    assert "EVALUATED" in followed.stdout, followed.stdout[-3000:]
+
+    status = _status(inventory, "p1")
+    assert (status["command"], status["state"], status["exit_code"]) == ("predict", "finished", 0), status
+    assert status["cases_done"] == status["cases_total"] == len(images) == 8
+    assert status["evaluation"]["foreground"]["cases"] == 8 and status["peak_rss_bytes"] > 100 * 2**20
+    text = remote("status", "lab", "p1", inventory=inventory).stdout
+    assert "p1 on lab: finished" in text and "predicted 8/8 case(s)" in text, text
+    assert "evaluation foreground: Dice mean" in text, text
+    assert _status(inventory, "trained")["state"] == "finished"
+
+    fetched = remote("fetch", "lab", "p1", "--to", tmp_path / "fetched", inventory=inventory)
+    assert fetched.returncode == 0 and "8 mask(s), evaluation.json" in fetched.stdout, fetched.stderr
+    out = tmp_path / "fetched" / "p1"
+    for image_path in images:
+        image, mask = nib.load(image_path), nib.load(out / image_path.name)
+        assert mask.shape == image.shape[:3] and mask.get_data_dtype() == "uint8"
+        assert (mask.affine == image.affine).all()
+    evaluation = json.loads((out / "evaluation.json").read_text())
+    assert {case["case"] for case in evaluation["cases"]} == {path.name[: -len(".nii.gz")] for path in images}
+    assert "PREDICTED" in (out / "job.log").read_text()

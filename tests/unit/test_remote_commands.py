@@ -1,15 +1,30 @@
-"""The shell commands `remote start` runs on a host, and the inventory's connection settings."""
+"""The shell commands `remote start` and `remote predict` run on a host, what `remote status` makes of a
+predict job's files, and the inventory's connection settings."""
+
+import json
+import re
 
 import pytest
 
+from bigmem_train.cli import build_parser
+from bigmem_train.cli.apply import predict_option_flags
 from bigmem_train.errors import BadInput
+from bigmem_train.ops.hosts import RemoteHost
 from bigmem_train.ops.remote import (
     HARDENED_DOCKER_FLAGS,
     check_job_name,
     docker_run_command,
+    format_status,
     load_inventory,
     process_command,
 )
+from bigmem_train.ops.remote_predict import (
+    HostPath,
+    PredictInputs,
+    predict_docker_command,
+    predict_process_command,
+)
+from bigmem_train.ops.status import _predict_report
 
 
 def test_docker_run_is_hardened_and_mounts_the_job():
@@ -34,6 +49,116 @@ def test_process_mode_runs_detached_in_its_own_session():
     assert command.startswith("TF_CONFIG='{}' setsid nohup sh -c ")
     assert "run --config config.yaml --results results --run-name job; echo $? > exit_code" in command
     assert command.endswith("> job.log 2>&1 < /dev/null & echo $!")
+
+
+def _mounts(command: str) -> dict[str, str]:
+    """`-v SOURCE:TARGET[:ro]` of a docker command line: target -> "ro" or "rw"."""
+    mounts = {}
+    for volume in re.findall(r"-v (\S+)", command):
+        parts = volume.split(":")
+        mounts[parts[1]] = "ro" if parts[2:] == ["ro"] else "rw"
+    return mounts
+
+
+def test_predict_container_reads_its_inputs_read_only_without_network():
+    inputs = PredictInputs("/srv/runs/brats", "", HostPath("/srv/Task01", True), "/srv/Task01/labelsTr")
+    command = predict_docker_command("p1", "bigmem-train:1.0", inputs, ["--tta"])
+    assert command.startswith('docker run -d --name p1 --user "$(id -u):$(id -g)" ')
+    assert " ".join(HARDENED_DOCKER_FLAGS) in command and "--network none" in command
+    assert "--cap-add" not in command and "-e " not in command
+    assert _mounts(command) == {"/results": "rw", "/model": "ro", "/data": "ro", "/labels": "ro"}
+    assert '-v "$PWD/results":/results ' in command and "-v /srv/runs/brats:/model:ro" in command
+    assert "-v /srv/Task01:/data:ro" in command and "-v /srv/Task01/labelsTr:/labels:ro" in command
+    # Two commands, so a shell runs them; evaluate only when predict succeeded.
+    assert command.endswith(
+        "--entrypoint sh bigmem-train:1.0 -c 'bigmem-train predict --model /model --data /data "
+        "--out /results/p1 --tta && bigmem-train evaluate --pred /results/p1 --labels /labels'"
+    )
+
+
+def test_predict_container_of_one_image_and_checkpoint_uses_the_entrypoint():
+    inputs = PredictInputs(
+        "/srv/runs/brats", "checkpoints/last.keras", HostPath("/srv/scans/case_1.nii.gz", False)
+    )
+    command = predict_docker_command("p2", "bigmem-train", inputs, [])
+    # The image keeps its name (its case name) under /data.
+    assert _mounts(command) == {"/results": "rw", "/model": "ro", "/data/case_1.nii.gz": "ro"}
+    assert "--network none" in command and "--entrypoint" not in command
+    assert command.endswith(
+        "bigmem-train predict --model /model/checkpoints/last.keras --data /data/case_1.nii.gz --out /results/p2"
+    )
+    spaced = predict_docker_command(
+        "p3", "bigmem-train", PredictInputs("/r", "", HostPath("/s/a b.nii", False)), []
+    )
+    assert "-v '/s/a b.nii':'/data/a b.nii':ro" in spaced and spaced.endswith(
+        "--data '/data/a b.nii' --out /results/p3"
+    )
+
+
+def test_predict_process_runs_detached_and_keeps_the_first_failure():
+    inputs = PredictInputs("/srv/runs/brats", "", HostPath("/srv/Task01", True), "/srv/labels")
+    command = predict_process_command("/opt/venv/bin/bigmem-train", "p1", inputs, ["--subset", "training"])
+    assert command.startswith("setsid nohup sh -c ")
+    assert (
+        "/opt/venv/bin/bigmem-train predict --model /srv/runs/brats --data /srv/Task01 --out results/p1 "
+        "--subset training && /opt/venv/bin/bigmem-train evaluate --pred results/p1 --labels /srv/labels; "
+        "echo $? > exit_code"
+    ) in command
+    assert command.endswith("> job.log 2>&1 < /dev/null & echo $!")
+    alone = predict_process_command("bigmem-train", "p1", PredictInputs("/r", "", HostPath("/d", True)), [])
+    assert "evaluate" not in alone
+
+
+def test_remote_predict_passes_predicts_options_on():
+    args = build_parser().parse_args(
+        [
+            "remote",
+            "predict",
+            "lab",
+            "--job",
+            "j",
+            "--data",
+            "d",
+            "--tta",
+            "--tile",
+            "8,8,8",
+            "--target",
+            "8GiB",
+        ]
+    )
+    assert args.host == "lab"  # not clobbered by --target, predict's option
+    assert predict_option_flags(args) == [
+        "--subset", "test", "--engine", "auto", "--precision", "float32", "--tta",
+        "--target", "8GiB", "--tile", "8,8,8",
+    ]  # fmt: skip
+
+
+def test_status_of_a_predict_job():
+    host = RemoteHost("lab", "127.0.0.1", 22, None, None, "ssh")
+    job = {"folder": "jobs/p1", "run_dir": "results/p1", "mode": "docker", "container": "p1"}
+    cases = {"a": {"peak_rss_bytes": 2**30}, "b": {"peak_rss_bytes": 3 * 2**30}}
+    summary = {"foreground": {"cases": 2, "mean_dice": 0.9, "pooled_dice": 0.91, "median_hd95_mm": 1.5}}
+    sections = {
+        "predict": json.dumps({"cases_total": 3, "cases": cases}),
+        "evaluation": json.dumps({"summary": summary}),
+        "container": "false 0",
+    }
+    running = _predict_report(host, "p1", job, True, sections)
+    assert (running["state"], running["exit_code"]) == ("running", None)
+    assert (
+        running["cases_done"] == 2 and running["cases_total"] == 3 and running["peak_rss_bytes"] == 3 * 2**30
+    )
+    finished = _predict_report(host, "p1", job, False, sections)
+    assert (finished["state"], finished["exit_code"]) == ("finished", 0)
+    text = format_status(finished)
+    assert text.startswith("p1 on lab: finished\n  predicted 2/3 case(s)\n")
+    assert "evaluation foreground: Dice mean 0.9000 (pooled 0.9100), HD95 median 1.50 mm, 2 case(s)" in text
+    failed = _predict_report(host, "p1", job, False, {"container": "false 3"})
+    assert (failed["state"], failed["exit_code"], failed["cases_done"]) == ("failed", 3, 0)
+    assert format_status(failed).startswith("p1 on lab: failed (exit code 3)\n  predicted 0 case(s)")
+    process = {**job, "mode": "process", "pid": 1}
+    assert _predict_report(host, "p1", process, False, {})["state"] == "gone"
+    assert _predict_report(host, "p1", {**process, "stopped": "now"}, False, {})["state"] == "stopped"
 
 
 @pytest.mark.parametrize("name", ["", "-x", "a/b", "a b", "x" * 200])

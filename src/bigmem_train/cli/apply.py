@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from bigmem_train.errors import EXIT_PASS, BadInput
-from bigmem_train.sizes import format_bytes
+from bigmem_train.sizes import format_bytes, parse_size
 
 
 def add_parsers(sub) -> None:
@@ -32,32 +32,7 @@ def add_parsers(sub) -> None:
     predict.add_argument(
         "--config", metavar="FILE", help="the job config the model was trained with (default: its run's)"
     )
-    predict.add_argument(
-        "--subset",
-        choices=["test", "training"],
-        default="test",
-        help="which list of a Decathlon dataset.json to predict (default test)",
-    )
-    predict.add_argument("--tta", action="store_true", help="average over the 8 mirrorings (8x the time)")
-    predict.add_argument(
-        "--probabilities", action="store_true", help="also write NAME_probabilities.nii.gz (float32)"
-    )
-    predict.add_argument(
-        "--target", metavar="SIZE", help="plan within this much memory: 8GiB, 50%% (default: usable memory)"
-    )
-    predict.add_argument("--tile", metavar="X,Y,Z", help="predict in tiles of this shape instead of planning")
-    predict.add_argument(
-        "--engine",
-        choices=["auto", "tensorflow", "openvino"],
-        default="auto",
-        help="inference engine (default auto: OpenVINO when installed, else TensorFlow)",
-    )
-    predict.add_argument(
-        "--precision",
-        choices=["float32", "bfloat16"],
-        default="float32",
-        help="bfloat16 where the CPU has it natively (AMX, AVX512_BF16): faster, half the activations",
-    )
+    add_predict_options(predict)
     predict.add_argument("--plan", action="store_true", help="print each case's plan and stop")
 
     evaluate = sub.add_parser(
@@ -70,6 +45,56 @@ def add_parsers(sub) -> None:
     evaluate.add_argument("--pred", required=True, metavar="DIR", help="the masks (e.g. predict's --out)")
     evaluate.add_argument("--labels", required=True, metavar="DIR", help="the labels (e.g. labelsTr/)")
     evaluate.add_argument("--out", metavar="DIR", help="where the results go (default: --pred)")
+
+
+def add_predict_options(parser: argparse.ArgumentParser) -> None:
+    """How predict runs: its options here and in `remote predict`, which passes them on
+    (:func:`predict_option_flags`)."""
+    parser.add_argument(
+        "--subset",
+        choices=["test", "training"],
+        default="test",
+        help="which list of a Decathlon dataset.json to predict (default test)",
+    )
+    parser.add_argument("--tta", action="store_true", help="average over the 8 mirrorings (8x the time)")
+    parser.add_argument(
+        "--probabilities", action="store_true", help="also write NAME_probabilities.nii.gz (float32)"
+    )
+    parser.add_argument(
+        "--target", metavar="SIZE", help="plan within this much memory: 8GiB, 50%% (default: usable memory)"
+    )
+    parser.add_argument("--tile", metavar="X,Y,Z", help="predict in tiles of this shape instead of planning")
+    parser.add_argument(
+        "--engine",
+        choices=["auto", "tensorflow", "openvino"],
+        default="auto",
+        help="inference engine (default auto: OpenVINO when installed, else TensorFlow)",
+    )
+    parser.add_argument(
+        "--precision",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="bfloat16 where the CPU has it natively (AMX, AVX512_BF16): faster, half the activations",
+    )
+
+
+def predict_option_flags(args: argparse.Namespace) -> list[str]:
+    """The options :func:`add_predict_options` parsed, as flags again (checked here: exit 2 before a job starts)."""
+    flags = ["--subset", args.subset, "--engine", args.engine, "--precision", args.precision]
+    if args.tta:
+        flags.append("--tta")
+    if args.probabilities:
+        flags.append("--probabilities")
+    if args.target:
+        try:
+            parse_size(args.target, host_total_bytes=1)  # the form only: the host's memory is not known here
+        except BadInput as error:
+            raise BadInput(f"--target {args.target}: {error}") from None
+        flags += ["--target", args.target]
+    if args.tile:
+        _shape(args.tile)
+        flags += ["--tile", args.tile]
+    return flags
 
 
 def _shape(text: str | None) -> tuple[int, int, int] | None:

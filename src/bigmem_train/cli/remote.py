@@ -9,14 +9,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
+from bigmem_train.cli.apply import add_predict_options, predict_option_flags
 from bigmem_train.errors import BadInput
-from bigmem_train.ops import remote
+from bigmem_train.ops import remote, remote_predict
 
 DEFAULT_INVENTORY_ENV = "BIGMEM_TRAIN_INVENTORY"
 
 EPILOG = (
-    "Exit codes: 0 done, 2 bad input (unknown host or group, no such job, bad config or name), "
+    "Exit codes: 0 done, 2 bad input (unknown host or group, no such job, bad config or name, "
+    "a path that is not on the host), "
     "4 the host is unreachable or refuses the login. See docs/guides/remote-and-scale-out.md."
 )
 
@@ -73,6 +76,46 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     start.add_argument(
         "--data", metavar="HOST_DIR", help="Decathlon dataset folder on the host (mounted read-only)"
     )
+
+    predict = actions.add_parser(
+        "predict",
+        parents=[common],
+        epilog=EPILOG,
+        help="segment images on a host with a model there (then evaluate), detached",
+        description="Start `bigmem-train predict` detached on HOST, on images and with a model that "
+        "are already there: --model a run directory on the host, or --job the run of a training job "
+        "started there with `remote start`. With --labels, `evaluate` scores the masks in the same job "
+        "once predict has succeeded. The masks, predict.json and evaluation.* go to the job's "
+        "results/NAME; status, logs, stop and fetch NAME work as for a training job. Paths on the host "
+        "are absolute or relative to the login's home; each is checked there before the job starts. "
+        "In a container (the default) the model, images and labels are mounted read-only, with no "
+        "network.",
+    )
+    # Not "target": predict's --target (a memory size) is that option's.
+    predict.add_argument("host", metavar="HOST", help="inventory host")
+    predict.add_argument(
+        "--model", metavar="HOST_PATH", help="a run directory on the host (or RUN/checkpoints/X.keras)"
+    )
+    predict.add_argument(
+        "--job", metavar="JOB", help="instead of --model: the run directory of training job JOB on HOST"
+    )
+    predict.add_argument(
+        "--data",
+        required=True,
+        metavar="HOST_PATH",
+        help="a NIfTI image, a folder of them, or a Decathlon folder (its dataset.json's --subset) on the host",
+    )
+    predict.add_argument(
+        "--labels", metavar="HOST_DIR", help="evaluate the masks against this label folder on the host"
+    )
+    predict.add_argument("--name", metavar="NAME", help="job and container name (default predict-DATE-TIME)")
+    predict.add_argument("--image", default="bigmem-train", help="container image (default bigmem-train)")
+    predict.add_argument(
+        "--no-docker",
+        action="store_true",
+        help="run the host's bigmem-train (bigmem_train_executable) instead of a container",
+    )
+    add_predict_options(predict)
 
     status = actions.add_parser(
         "status",
@@ -147,7 +190,7 @@ def dispatch(args: argparse.Namespace) -> int:
     action = getattr(args, "remote_command", None)
     if action is None:
         raise BadInput(
-            "remote: give an action: start, status, logs, stop, fetch, tf-config, hosts "
+            "remote: give an action: start, predict, status, logs, stop, fetch, tf-config, hosts "
             "(see bigmem-train remote --help)"
         )
     inventory = remote.load_inventory(args.inventory)
@@ -158,15 +201,29 @@ def dispatch(args: argparse.Namespace) -> int:
             config=args.config, name=name, image=args.image, docker=not args.no_docker, data_dir=args.data
         )
         for job in remote.start(inventory, args.target, request, timeout):
-            how = (
-                f"container {job.get('container_id', name)}"
-                if job["mode"] == "docker"
-                else f"pid {job['pid']}"
-            )
             print(
-                f"started {name} on {job['host']} ({how}); run directory "
+                f"started {name} on {job['host']} ({_how(job)}); run directory "
                 f"{remote.job_dir(inventory.host(job['host']), name)}/{job['run_dir']}"
             )
+        return 0
+    if action == "predict":
+        name = args.name or time.strftime("predict-%Y%m%d-%H%M%S")
+        predict_request = remote_predict.PredictJobRequest(
+            name=name,
+            data=args.data,
+            model=args.model,
+            job=args.job,
+            labels=args.labels,
+            image=args.image,
+            docker=not args.no_docker,
+            predict_flags=predict_option_flags(args),
+        )
+        job = remote_predict.predict(inventory, args.host, predict_request, timeout)
+        then = " then evaluate" if job["labels"] else ""
+        print(
+            f"started {name} on {job['host']} ({_how(job)}): predict{then} with {job['model']}; "
+            f"results {remote.job_dir(inventory.host(job['host']), name)}/{job['run_dir']}"
+        )
         return 0
     if action == "status":
         reports = remote.status(inventory, args.target, args.name, timeout)
@@ -187,10 +244,14 @@ def dispatch(args: argparse.Namespace) -> int:
         destination = remote.fetch(
             inventory, args.host, args.name, args.to, checkpoints=not args.no_checkpoints, timeout=timeout
         )
-        verdict = destination / "verdict.json"
+        verdict, predicted = destination / "verdict.json", destination / "predict.json"
         summary = ""
         if verdict.is_file():
             summary = f"; verdict {json.loads(verdict.read_text()).get('verdict')}"
+        elif predicted.is_file():
+            summary = f"; {len(json.loads(predicted.read_text()).get('cases', {}))} mask(s)"
+            if (destination / "evaluation.json").is_file():
+                summary += ", evaluation.json"
         print(f"fetched {destination}{summary}")
         return 0
     if action == "tf-config":
@@ -205,3 +266,11 @@ def dispatch(args: argparse.Namespace) -> int:
             )
         return 0
     raise BadInput(f"remote: unknown action {action!r}")
+
+
+def _how(job: dict) -> str:
+    return (
+        f"container {job.get('container_id', job['name'])}"
+        if job["mode"] == "docker"
+        else f"pid {job['pid']}"
+    )

@@ -7,7 +7,8 @@ blended with a Gaussian weight (nnU-Net's sliding window: half-tile steps, sigma
 optionally averaged over the 8 mirrorings (``--tta``), cropped back, thresholded (one class) or arg-maxed
 (several), and written as a uint8 NIfTI with the source's geometry. A case's file is written under a
 hidden partial name and renamed: an interrupted predict leaves no file that looks finished, and a rerun
-skips the cases already written. ``predict.json`` records each case's plan, time and the process's peak.
+skips the cases already written. ``predict.json``, rewritten after every case, records how many cases were
+asked for and each case's plan, time and the process's peak.
 """
 
 from __future__ import annotations
@@ -211,8 +212,11 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
             "tta": request.tta,
             "label_mode": config.data.label_mode,
             "output_classes": config.model.output_classes,
+            "cases_total": len(request.cases),
         }
     )
+    # Written now and after every case: `remote status` reads how far a prediction is from it.
+    write_json(summary_path, summary)
     if todo and engine is None:
         engine = make_engine(request.engine, request.source.model_path, request.precision)
     for number, case in enumerate(todo, start=1):

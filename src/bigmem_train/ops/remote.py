@@ -10,10 +10,13 @@ Layout on a host (``REMOTE_DIR`` is the host's ``bigmem_train_remote_dir``, defa
 
     REMOTE_DIR/jobs/NAME/
       config.yaml     the job's config, as given
-      job.json        how it was started: mode (docker | process), image or pid, run directory
+      job.json        how it was started: command (run | predict), mode (docker | process), image or
+                      pid, run directory
       job.log         output of a process-mode job (a container's output is in `docker logs`)
       exit_code       written when a process-mode job ends
       results/RUN/    the run directory (state.json, progress.json, history.csv, steps.csv, memory.csv, ...)
+
+A ``remote predict`` job (remote_predict.py) keeps the same files, its masks in ``results/NAME/``.
 
 Exit codes: 2 bad input (unknown host, no such job, bad config or name); 4 the host cannot be
 reached or refuses the login (as ``ansible-playbook`` uses 4 for unreachable hosts).
@@ -64,13 +67,18 @@ __all__ = [
     "StartRequest",
     "Unreachable",
     "check_job_name",
+    "check_name_free",
+    "check_runner",
     "default_job_name",
+    "detached",
     "docker_run_command",
     "fetch",
     "format_status",
     "job_dir",
+    "launch",
     "load_inventory",
     "logs",
+    "prepare_job_folder",
     "process_command",
     "start",
     "status",
@@ -162,30 +170,13 @@ def _start_on(
 ) -> dict[str, Any]:
     name = request.name
     folder = job_dir(host, name)
-    existing = _read_job(connection, host, name, required=False)
-    if existing is not None and _is_running(connection, existing):
-        raise BadInput(
-            f"job {name} is already running on {host.name}; stop it first or choose another --name"
-        )
-    if request.docker:
-        if _run(connection, "command -v docker").exited != 0:
-            raise BadInput(
-                f"docker is not installed on {host.name} (provision it with the docker role, "
-                f"or start the job with --no-docker)"
-            )
-    elif _run(connection, f"command -v {shlex.quote(host.executable)}").exited != 0:
-        raise BadInput(
-            f"{host.executable} is not on {host.name}'s PATH (install bigmem-train there, or set "
-            f"bigmem_train_executable in the inventory)"
-        )
-    made = _run(
-        connection, f"mkdir -p {shlex.quote(folder)}/results && rm -f {shlex.quote(folder)}/exit_code"
-    )
-    if made.exited != 0:
-        raise BadInput(f"cannot create {folder} on {host.name}: {made.stderr.strip()}")
+    check_name_free(connection, host, name, "run")
+    check_runner(connection, host, request.docker)
+    prepare_job_folder(connection, host, folder)
     _put_text(connection, config_text, f"{folder}/config.yaml")
     job: dict[str, Any] = {
         "name": name,
+        "command": "run",
         "mode": "docker" if request.docker else "process",
         "host": host.name,
         "run_dir": f"results/{run_name}",
@@ -207,6 +198,63 @@ def _start_on(
             environment,
             numa_nodes=int(nodes) if nodes.isdigit() else 1,
         )
+    else:
+        command = process_command(host.executable, name, request.data_dir, environment)
+    job.update(launch(connection, host, folder, name, request.docker, command))
+    _put_text(connection, json.dumps(job, indent=2) + "\n", f"{folder}/job.json")
+    return job
+
+
+# What each kind of job is called in messages; job.json's "command" (absent before predict jobs: "run").
+JOB_KINDS = {"run": "training", "predict": "predict"}
+
+
+def check_name_free(connection: Any, host: RemoteHost, name: str, command: str) -> None:
+    """Refuse a job name that is running, or that belongs to a job of the other kind (a training run and
+    predictions would share one results folder). A stopped or finished job of the same kind may be rerun."""
+    existing = _read_job(connection, host, name, required=False)
+    if existing is None:
+        return
+    if _is_running(connection, existing):
+        raise BadInput(
+            f"job {name} is already running on {host.name}; stop it first or choose another --name"
+        )
+    kind = existing.get("command", "run")
+    if kind != command:
+        raise BadInput(
+            f"job {name} on {host.name} is a {JOB_KINDS.get(kind, kind)} job; choose another --name"
+        )
+
+
+def check_runner(connection: Any, host: RemoteHost, docker: bool) -> None:
+    """Docker, or for --no-docker the host's bigmem-train, is there (BadInput naming the fix otherwise)."""
+    if docker:
+        if _run(connection, "command -v docker").exited != 0:
+            raise BadInput(
+                f"docker is not installed on {host.name} (provision it with the docker role, "
+                f"or start the job with --no-docker)"
+            )
+    elif _run(connection, f"command -v {shlex.quote(host.executable)}").exited != 0:
+        raise BadInput(
+            f"{host.executable} is not on {host.name}'s PATH (install bigmem-train there, or set "
+            f"bigmem_train_executable in the inventory)"
+        )
+
+
+def prepare_job_folder(connection: Any, host: RemoteHost, folder: str) -> None:
+    """The job's folder with its results/, without the exit code of an earlier run of the same name."""
+    made = _run(
+        connection, f"mkdir -p {shlex.quote(folder)}/results && rm -f {shlex.quote(folder)}/exit_code"
+    )
+    if made.exited != 0:
+        raise BadInput(f"cannot create {folder} on {host.name}: {made.stderr.strip()}")
+
+
+def launch(
+    connection: Any, host: RemoteHost, folder: str, name: str, docker: bool, command: str
+) -> dict[str, Any]:
+    """Run a job's start command in its folder: job.json's container_id (docker) or pid (process)."""
+    if docker:
         result = _run(
             connection,
             f"cd {shlex.quote(folder)} && (docker rm -f {shlex.quote(name)} >/dev/null 2>&1; {command})",
@@ -216,17 +264,13 @@ def _start_on(
                 result.stderr
             ]
             raise BadInput(f"docker run failed on {host.name}: {errors[0].strip()}")
-        job["container_id"] = result.stdout.strip()[:12]
-    else:
-        command = process_command(host.executable, name, request.data_dir, environment)
-        # Not `cd && job &`: that would background the list, whose shell holds the SSH channel open.
-        result = _run(connection, f"cd {shlex.quote(folder)} || exit 1\n{command}")
-        pid = result.stdout.strip()
-        if result.exited != 0 or not pid.isdigit():
-            raise BadInput(f"could not start {host.executable} on {host.name}: {result.stderr.strip()}")
-        job["pid"] = int(pid)
-    _put_text(connection, json.dumps(job, indent=2) + "\n", f"{folder}/job.json")
-    return job
+        return {"container_id": result.stdout.strip()[:12]}
+    # Not `cd && job &`: that would background the list, whose shell holds the SSH channel open.
+    result = _run(connection, f"cd {shlex.quote(folder)} || exit 1\n{command}")
+    pid = result.stdout.strip()
+    if result.exited != 0 or not pid.isdigit():
+        raise BadInput(f"could not start {host.executable} on {host.name}: {result.stderr.strip()}")
+    return {"pid": int(pid)}
 
 
 def docker_run_command(
@@ -279,16 +323,22 @@ def docker_run_command(
 
 
 def process_command(executable: str, run_name: str, data_dir: str | None, environment: dict[str, str]) -> str:
-    """Start bigmem-train detached in its own session (so `stop` can end the whole process group).
-
-    The shell that waits for it writes the exit code; its pid, printed, is the session's id.
-    """
+    """Start bigmem-train detached in its own session (so `stop` can end the whole process group)."""
     quote = shlex.quote
     job = [executable, "run", "--config", "config.yaml", "--results", "results", "--run-name", run_name]
     if data_dir:
         job += ["--data", data_dir]
-    inner = f"{' '.join(quote(part) for part in job)}; echo $? > exit_code"
-    exports = "".join(f"{key}={quote(value)} " for key, value in environment.items())
+    return detached(" ".join(quote(part) for part in job), environment)
+
+
+def detached(script: str, environment: dict[str, str] | None = None) -> str:
+    """``script`` (shell) started detached in its own session, its output in job.log.
+
+    The shell that waits for it writes the exit code; its pid, printed, is the session's id.
+    """
+    quote = shlex.quote
+    inner = f"{script}; echo $? > exit_code"
+    exports = "".join(f"{key}={quote(value)} " for key, value in (environment or {}).items())
     return f"{exports}setsid nohup sh -c {quote(inner)} > job.log 2>&1 < /dev/null & echo $!"
 
 

@@ -67,6 +67,8 @@ section host_oom; awk '$1 == "oom_kill" {{ print $2 }}' /proc/vmstat 2>/dev/null
 section cgroup_oom
 counter=$(sed -n 's/.*"oom_counter_file": "\([^"]*\)".*/\1/p' "$run/state.json" 2>/dev/null | head -n 1)
 [ -n "$counter" ] && [ -z {container} ] && awk '$1 == "oom_kill" {{ print $2 }}' "$counter" 2>/dev/null
+section predict; cat "$run/predict.json" 2>/dev/null
+section evaluation; cat "$run/evaluation.json" 2>/dev/null
 section container
 [ -n {container} ] && docker inspect -f '{{{{.State.OOMKilled}}}} {{{{.State.ExitCode}}}}' {container} 2>/dev/null
 true
@@ -113,6 +115,8 @@ def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
         container=shlex.quote(container or ""),
     )
     sections = _sections(_run(connection, script).stdout)
+    if job.get("command") == "predict":
+        return _predict_report(host, name, job, running, sections)
     state_file = _json_or_none(sections.get("state", "")) or {}
     progress = _json_or_none(sections.get("progress", "")) or {}
     exit_code = sections.get("exit_code") or None
@@ -129,13 +133,14 @@ def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
     report: dict[str, Any] = {
         "host": host.name,
         "name": name,
+        "command": "run",
         "state": state,
         "mode": job.get("mode"),
         "run_dir": f"{job['folder']}/{job['run_dir']}",
         "started": job.get("started"),
         "run_state": state_file.get("state"),
         "error": state_file.get("error"),
-        "exit_code": int(exit_code) if exit_code and exit_code.lstrip("-").isdigit() else None,
+        "exit_code": _integer(exit_code),
     }
     epochs = sections.get("config_epochs")
     report["epochs"] = int(epochs) if epochs and epochs.isdigit() else None
@@ -172,12 +177,56 @@ def _status_on(connection: Any, host: RemoteHost, name: str) -> dict[str, Any]:
     return report
 
 
+def _predict_report(
+    host: RemoteHost, name: str, job: dict[str, Any], running: bool, sections: dict[str, str]
+) -> dict[str, Any]:
+    """Status of a ``remote predict`` job: the cases written so far (predict.json is rewritten after each),
+    the process's peak, the evaluation's summary, and how it ended (its exit code)."""
+    exit_code = _integer(sections.get("exit_code"))
+    container = sections.get("container", "").split()
+    if exit_code is None and not running and len(container) == 2:
+        exit_code = _integer(container[1])
+    if running:
+        state = "running"
+    elif job.get("stopped"):
+        state = "stopped"
+    elif exit_code is None:
+        state = "gone" if job.get("mode") == "process" else "exited"
+    else:
+        state = "finished" if exit_code == 0 else "failed"
+    report: dict[str, Any] = {
+        "host": host.name,
+        "name": name,
+        "command": "predict",
+        "state": state,
+        "mode": job.get("mode"),
+        "run_dir": f"{job['folder']}/{job['run_dir']}",
+        "started": job.get("started"),
+        "exit_code": exit_code,
+        "model": job.get("model"),
+        "data": job.get("data"),
+        "labels": job.get("labels"),
+    }
+    predicted = _json_or_none(sections.get("predict", "")) or {}
+    cases = predicted.get("cases") or {}
+    report["cases_done"] = len(cases)
+    report["cases_total"] = predicted.get("cases_total")
+    peaks = [int(case["peak_rss_bytes"]) for case in cases.values() if case.get("peak_rss_bytes")]
+    if peaks:
+        report["peak_rss_bytes"] = max(peaks)
+    evaluation = _json_or_none(sections.get("evaluation", ""))
+    if evaluation:
+        report["evaluation"] = evaluation.get("summary")
+    return report
+
+
+def _integer(text: str | None) -> int | None:
+    return int(text) if text and text.strip().lstrip("-").isdigit() else None
+
+
 def _ending(state_file: dict[str, Any], sections: dict[str, str], exit_code: int | None):
     """How a run whose state.json says running, and whose process is gone, ended (postmortem.explain)."""
     from bigmem_train.verdict.postmortem import explain
-
-    def integer(text: str | None) -> int | None:
-        return int(text) if text and text.strip().isdigit() else None
 
     container = sections.get("container", "").split()
     oom_killed = container[0] == "true" if container else None
@@ -189,14 +238,14 @@ def _ending(state_file: dict[str, Any], sections: dict[str, str], exit_code: int
         row = dict(zip(memory[0].split(","), memory[1].split(",")))
         limited = bool((state_file.get("cgroup") or {}).get("limit_bytes"))
         column = "working_set_bytes" if limited and row.get("working_set_bytes") else "rss_bytes"
-        measured = integer(row.get(column))
+        measured = _integer(row.get(column))
     return explain(
         state_file,
         measured_bytes=measured,
-        planned_bytes=integer(sections.get("plan_peak")),
+        planned_bytes=_integer(sections.get("plan_peak")),
         container_oom_killed=oom_killed,
-        cgroup_oom_kills=integer(sections.get("cgroup_oom")),
-        host_oom_kills_now=integer(sections.get("host_oom")),
+        cgroup_oom_kills=_integer(sections.get("cgroup_oom")),
+        host_oom_kills_now=_integer(sections.get("host_oom")),
         exit_code=exit_code,
     )
 
@@ -213,6 +262,14 @@ def format_status(report: dict[str, Any]) -> str:
         f"{report['name']} on {report['host']}: {report['state']}"
         + (f" (exit code {report['exit_code']})" if report.get("exit_code") not in (None, 0) else "")
     ]
+    if report.get("command") == "predict":
+        total = f"/{report['cases_total']}" if report.get("cases_total") is not None else ""
+        lines.append(f"  predicted {report.get('cases_done', 0)}{total} case(s)")
+        for structure, row in (report.get("evaluation") or {}).items():
+            lines.append(
+                f"  evaluation {structure}: Dice mean {row['mean_dice']:.4f} (pooled {row['pooled_dice']:.4f}), "
+                f"HD95 median {row['median_hd95_mm']:.2f} mm, {row['cases']} case(s)"
+            )
     if report.get("epoch"):
         epochs = f"/{report['epochs']}" if report.get("epochs") else ""
         steps = f"/{report['steps_per_epoch']}" if report.get("steps_per_epoch") else ""
