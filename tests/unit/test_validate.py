@@ -230,3 +230,15 @@ def test_report_rounds_figures_for_a_person(tmp_path):
     assert "<td>0.877 / 0.912</td>" in text
     assert not re.search(r"\d\.\d{6,}", text), re.findall(r"[\d.]*\d\.\d{6,}", text)
     assert "1344175.0" not in text
+
+
+def test_footprint_passes_a_run_inside_the_plans_expected_range(tmp_path):
+    """A job sized to its target ends inside its plan's range: 13 % under the target is its footprint when
+    the plan said runs of its kind end that low, and a miss without the range."""
+    run_dir = make_run(tmp_path, GOOD, target=20 * 2**30, peak=int(17.4 * 2**30), planned=int(19.0 * 2**30))
+    assert "footprint" in failed_names(run_dir)
+    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").exists() else {}
+    stated = {"kind": "plain", "below": [0.018, 0.096], "runs": 48, "coverage": 0.03}
+    stated.update(low_bytes=int(19.0 * (1 - 0.096) * 2**30), high_bytes=int(19.0 * 1.03 * 2**30))
+    (run_dir / "plan.json").write_text(json.dumps({**plan, "expected_range": stated}))
+    assert "footprint" not in failed_names(run_dir)
