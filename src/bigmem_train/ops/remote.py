@@ -72,6 +72,7 @@ __all__ = [
     "default_job_name",
     "detached",
     "docker_run_command",
+    "docker_run_head",
     "fetch",
     "format_status",
     "job_dir",
@@ -273,6 +274,23 @@ def launch(
     return {"pid": int(pid)}
 
 
+def docker_run_head(name: str) -> list[str]:
+    """The start of every job's `docker run -d` (training and predict), run from the job's folder: the
+    container named after the job, the login's uid, the hardening flags, the job's results/ writable."""
+    return [
+        "docker",
+        "run",
+        "-d",
+        "--name",
+        shlex.quote(name),
+        "--user",
+        '"$(id -u):$(id -g)"',
+        *HARDENED_DOCKER_FLAGS,
+        "-v",
+        '"$PWD/results":/results',
+    ]
+
+
 def docker_run_command(
     name: str,
     image: str,
@@ -284,20 +302,7 @@ def docker_run_command(
 ) -> str:
     """`docker run -d` of one job: hardened, results and config mounted from the job's folder."""
     quote = shlex.quote
-    parts = [
-        "docker",
-        "run",
-        "-d",
-        "--name",
-        quote(name),
-        "--user",
-        '"$(id -u):$(id -g)"',
-        *HARDENED_DOCKER_FLAGS,
-        "-v",
-        '"$PWD/results":/results',
-        "-v",
-        '"$PWD/config.yaml":/config/job.yaml:ro',
-    ]
+    parts = [*docker_run_head(name), "-v", '"$PWD/config.yaml":/config/job.yaml:ro']
     if data_dir:
         parts += ["-v", f"{quote(data_dir)}:/data:ro"]
     # The workers of a multi-worker job reach each other on the ports TF_CONFIG names.

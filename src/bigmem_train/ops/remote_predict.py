@@ -42,10 +42,10 @@ from bigmem_train.ops.hosts import (
     job_dir,
 )
 from bigmem_train.ops.remote import (
-    HARDENED_DOCKER_FLAGS,
     check_name_free,
     check_runner,
     detached,
+    docker_run_head,
     launch,
     prepare_job_folder,
 )
@@ -243,18 +243,9 @@ def predict_docker_command(name: str, image: str, inputs: PredictInputs, flags: 
     quote = shlex.quote
     data = "/data" if inputs.data.is_dir else f"/data/{PurePosixPath(inputs.data.path).name}"
     parts = [
-        "docker",
-        "run",
-        "-d",
-        "--name",
-        quote(name),
-        "--user",
-        '"$(id -u):$(id -g)"',
-        *HARDENED_DOCKER_FLAGS,
+        *docker_run_head(name),
         "--network",
         "none",
-        "-v",
-        '"$PWD/results":/results',
         "-v",
         f"{quote(inputs.run_dir)}:/model:ro",
         "-v",
