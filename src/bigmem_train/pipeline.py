@@ -68,8 +68,8 @@ def plan_and_launch(config: Config, host: HostFacts) -> JobPlan:
         f"bigmem-train: planned peak {format_bytes(plan.peak_bytes)}{target}, NUMA {plan.placement.policy}",
         flush=True,
     )
-    if plan.range_statement():
-        print(f"bigmem-train: {plan.range_statement()}", flush=True)
+    if statement := plan.range_statement():
+        print(f"bigmem-train: {statement}", flush=True)
     if plan.calibration_warning:
         print(
             f"bigmem-train: warning: planner constants {plan.calibration_source}: {plan.calibration_warning}",

@@ -37,8 +37,8 @@ def format_plan(plan: JobPlan) -> str:
     for key, value in plan.breakdown.items():
         lines.append(f"  {key:<{width}}  {format_bytes(value)}")
     lines.append(f"  {'total':<{width}}  {format_bytes(plan.peak_bytes)}")
-    if plan.range_statement():
-        lines.append(f"  {plan.range_statement()}")
+    if statement := plan.range_statement():
+        lines.append(f"  {statement}")
     voxels = config.training.batch_size // plan.workers * config.voxels_per_sample
     lines.append(
         f"per input voxel: {plan.breakdown['activations'] / voxels:.0f} B for the activations kept for "

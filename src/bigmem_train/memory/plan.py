@@ -140,11 +140,12 @@ class JobPlan:
             return None
         low, high = self.expected_range["below"]
         coverage = self.expected_range["coverage"]
+        lowest, highest = self.range_bytes()
         return (
             f"the plan is the upper envelope of this kind of job's runs ({self.expected_range['kind']}): "
             f"its {self.expected_range['runs']} calibration runs ended {_percent(low)} to {_percent(high)} "
             f"below it, and a run may end at most {coverage:.0%} above it "
-            f"({format_bytes(self.range_bytes()[0])} to {format_bytes(self.range_bytes()[1])})"
+            f"({format_bytes(lowest)} to {format_bytes(highest)})"
         )
 
 

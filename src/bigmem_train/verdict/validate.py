@@ -172,9 +172,9 @@ def evaluate(run_dir: Path) -> Verdict:
     tolerance = config.footprint.tolerance
     # metrics.json is written at the end of training; plan.json before the first step. A run that lost
     # the former is still judged on the plan it was started with, never on fewer criteria.
-    started = (
-        {} if {"target_bytes", "planned_peak_bytes"} <= metrics.keys() else read_record(run_dir / "plan.json")
-    )
+    plan_record = read_record(run_dir / "plan.json")
+    expected_range = plan_record.get("expected_range")  # the range the plan stated (its runs' envelope)
+    started = {} if {"target_bytes", "planned_peak_bytes"} <= metrics.keys() else plan_record
     target = metrics.get("target_bytes") or started.get("target_bytes")
     if target:
         # The footprint check judges what the kernel enforces: the run's cgroup working set when its cgroup
@@ -197,7 +197,7 @@ def evaluate(run_dir: Path) -> Verdict:
         else:
             # The plan is the upper envelope of the job's runs and was sized under the target: a run that
             # ends inside the plan's stated range has reached the footprint the target asked for.
-            low_end = (read_record(run_dir / "plan.json").get("expected_range") or {}).get("low_bytes")
+            low_end = (expected_range or {}).get("low_bytes")
             in_range = bool(low_end) and low_end <= judged <= target * (1 + tolerance)
             criteria.append(
                 Criterion(
@@ -218,9 +218,7 @@ def evaluate(run_dir: Path) -> Verdict:
         )
         criteria.append(Criterion("plan", False, f"no {missing} recorded: the plan cannot be checked"))
     else:
-        criteria.append(
-            plan_criterion(planned, peak, read_record(run_dir / "plan.json").get("expected_range"))
-        )
+        criteria.append(plan_criterion(planned, peak, expected_range))
 
     verdict = "PASS" if all(criterion.passed for criterion in criteria) else "FAIL"
     return Verdict(verdict, criteria, str(run_dir))
