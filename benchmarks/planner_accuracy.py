@@ -37,7 +37,13 @@ from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.host import cpu_isa, read_cpu_flags
 from bigmem_train.memory.calibrate import CALIBRATION_JOBS, MIXED_CALIBRATION_JOBS, job_config, measure_run
-from bigmem_train.memory.constants import PLAN_COST_BOUND, PLAN_COVERAGE, Calibration, load_calibration
+from bigmem_train.memory.constants import (
+    PLAN_COST_BOUND,
+    PLAN_COVERAGE,
+    Calibration,
+    load_calibration,
+    run_kind,
+)
 from bigmem_train.memory.estimate import estimate
 
 GIB = 2**30
@@ -83,6 +89,7 @@ SWEEP: list[dict] = [
     {"shape": (176, 176, 128), "batch": 3, "filters": 16, "depth": 4, "channels": 4},
 ]
 BANDS = [("< 2 GiB", 0, 2 * GIB), ("2 to 8 GiB", 2 * GIB, 8 * GIB), ("8 to 20 GiB", 8 * GIB, 21 * GIB)]
+KINDS = ("plain", "recompute", "mixed")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -192,6 +199,7 @@ def report(results: Path, calibration: Calibration) -> dict:
                 "cost": planned / mean - 1,
                 "spread": max(peaks) / min(peaks) - 1,
                 "runs": len(records),
+                "kind": run_kind(config),
                 "dates": sorted({r.get("date", "") for r in records}),
                 "step_seconds": records[-1].get("median_step_seconds"),
             }
@@ -199,7 +207,11 @@ def report(results: Path, calibration: Calibration) -> dict:
     rows.sort(key=lambda row: row["predicted"])
     print(
         f"constants: {calibration.source}: baseline {calibration.runtime_baseline_bytes / 2**20:.0f} MiB, "
-        f"activation factor {calibration.activation_factor}, envelope margin {calibration.envelope_margin}"
+        f"activation factor {calibration.activation_factor}, envelope margins "
+        + (
+            ", ".join(f"{kind} {margin:.2%}" for kind, margin in calibration.envelope_margins.items())
+            or f"{calibration.envelope_margin:.2%}"
+        )
     )
     print("| job | runs (GiB) | plan GiB | worst run vs plan | plan vs mean run | runs part by |")
     print("|---|---:|---:|---:|---:|---:|")
@@ -211,8 +223,12 @@ def report(results: Path, calibration: Calibration) -> dict:
             f"| {row['cost']:+.1%} | {row['spread']:.1%} |"
         )
     summary = {}
-    for name, low, high in [*BANDS, ("all", 0, float("inf"))]:
-        band = [row for row in rows if low <= row["predicted"] < high]
+    # Per size band, then per kind of job (constants.run_kind: each has its own envelope margin).
+    groups = [
+        (name, [row for row in rows if low <= row["predicted"] < high])
+        for name, low, high in [*BANDS, ("all", 0, float("inf"))]
+    ] + [(f"kind: {kind}", [row for row in rows if row["kind"] == kind]) for kind in KINDS]
+    for name, band in groups:
         if not band:
             continue
         costs = sorted(row["cost"] for row in band)
@@ -256,6 +272,7 @@ def report(results: Path, calibration: Calibration) -> dict:
         "cost_met": cost_met,
         "constants": source,
         "envelope_margin": calibration.envelope_margin,
+        "envelope_margins": calibration.envelope_margins,
         "run_range": calibration.run_range,
     }
 

@@ -1,5 +1,6 @@
 """Sizing to a memory target for real: `bigmem-train run --target SIZE` trains a job the planner sized,
-and the measured peak lands within the tolerance of the target (the verdict's footprint criterion)."""
+and the measured peak stays under the target and under its plan's envelope (the verdict's footprint and
+plan criteria)."""
 
 import json
 from pathlib import Path
@@ -78,4 +79,9 @@ def test_run_sized_to_a_target_peaks_within_tolerance(tmp_path: Path):
     verdict = json.loads((run_dir / "verdict.json").read_text())
     footprint = [c for c in verdict["criteria"] if c["name"] == "footprint"]
     assert footprint and footprint[0]["passed"], footprint
-    assert abs(measured - int(2.5 * GIB)) / int(2.5 * GIB) <= 0.10
+    # The plan is the upper envelope of the job's runs (at most 3 % above it), sized under target / 1.03:
+    # the run does not pass the target. Below, it may end a few % more than its calibration runs did
+    # (plan.json expected_range), so its plan criterion (the bound the scored runs support) judges that.
+    assert measured <= recorded["expected_range"]["high_bytes"]
+    assert measured <= plan["target_bytes"]
+    assert next(c for c in verdict["criteria"] if c["name"] == "plan")["passed"], verdict

@@ -65,9 +65,12 @@ class Calibration:
     # plan trades this figure for it (``JobPlan.with_file_backed``).
     file_backed_bytes: int | None = None
     # The plan is the upper envelope of a job's runs, not their middle (``PLAN_COVERAGE``): this share of
-    # the fitted estimate is added to every plan, the least that keeps each calibration run within the
-    # coverage of its plan (``calibrate.envelope``). 0 for files fitted before it existed.
+    # the fitted estimate is added to a plan, the least that keeps each calibration run of the job's kind
+    # (``run_kind``) within the coverage of its plan (``calibrate.envelope``). Kinds part differently (a
+    # recomputed job up to 16 %, a plain one a few %), so each has its own; ``envelope_margin`` is the
+    # largest, for a kind the calibration did not run. 0 and {} for files fitted before they existed.
     envelope_margin: float = 0.0
+    envelope_margins: dict[str, float] = field(default_factory=dict)
     # Where runs end against their plan, per kind of job (``run_kind``): [least, most] below the plan as
     # a fraction of it (negative: above it), over the calibration runs of that kind; and how many runs.
     run_range: dict[str, list[float]] = field(default_factory=dict)
@@ -77,6 +80,10 @@ class Calibration:
     # Calibration files passed over on the way to this one: fitted for the model before the activation
     # factor (no ``activation_factor``), whose baseline and workspace factor mean something else.
     skipped: list[str] = field(default_factory=list)
+
+    def margin_for(self, config: Config) -> float:
+        """The envelope margin added to ``config``'s plan: its kind's, else the largest."""
+        return self.envelope_margins.get(run_kind(config), self.envelope_margin)
 
     def expected_range(self, config: Config) -> dict[str, Any] | None:
         """Where a run of ``config``'s kind is expected to end against its plan: {"kind", "below":
@@ -162,9 +169,11 @@ class Calibration:
 # The verdict's plan criterion and --target sizing follow the same two numbers.
 PLAN_COVERAGE = 0.03
 PLAN_COST_BOUND = 0.12
-# What the scored runs support today (docs/results/planner-accuracy.md): with one margin for every kind of
-# job, the plan was up to 19.4 % above a job's mean run, so the verdict fails a run below its plan only
-# past 20 % above it (1 - 1/1.2 = 16.7 % below), not past the 12 % goal.
+# What the scored runs support today (docs/results/planner-accuracy.md): with a margin per kind of job, a
+# plain job's plan was up to 11.3 % above its mean run and a recomputed one's up to 22.9 % (the recompute
+# model over-plans batch 2; its stated range, up to 19.5 % below, covers that). The verdict fails a run
+# below its plan only past the stated range and 20 % above it (1 - 1/1.2 = 16.7 % below): the 12 % goal
+# would leave a plain batch-4 job (10.4 % below) no room.
 PLAN_COST_MEASURED = 0.20
 
 
@@ -256,6 +265,7 @@ def load_calibration() -> Calibration:
                 None if data.get("file_backed_bytes") is None else int(data["file_backed_bytes"])
             ),
             envelope_margin=float(data.get("envelope_margin") or 0.0),
+            envelope_margins={kind: float(m) for kind, m in (data.get("envelope_margins") or {}).items()},
             run_range={kind: list(pair) for kind, pair in (data.get("run_range") or {}).items()},
             run_range_runs={kind: int(n) for kind, n in (data.get("run_range_runs") or {}).items()},
             source=str(path),

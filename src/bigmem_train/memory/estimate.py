@@ -477,7 +477,7 @@ def breakdown_for(
         "runtime_baseline": calibration.runtime_baseline_bytes,
     }
     # The plan is the upper envelope of the job's runs, not their middle (constants.PLAN_COVERAGE).
-    parts["envelope"] = int(calibration.envelope_margin * sum(parts.values()))
+    parts["envelope"] = int(calibration.margin_for(config) * sum(parts.values()))
     return parts
 
 
