@@ -252,7 +252,7 @@ def held_out_ratios(runs: list[tuple[Config, int]]) -> list[float] | None:
     """Each run over its plan by constants fitted without its job (no margin): how far a job the fit has
     not seen ends above the fitted figure, which is what a margin must cover for a user's job. On the
     EPYC's 69 calibration runs, in-sample margins (plain 1.3 %) let a sweep run end 3.6 % above its plan;
-    held-out ones (plain 3.05 %) kept all 78 within 3 % (docs/results/planner-accuracy.md). None where
+    held-out ones (plain 3.06 %) kept all 78 within 3 % (docs/results/planner-accuracy.md). None where
     leaving a job out leaves jobs that do not separate the constants (then the margins are in-sample)."""
     keys = [config.model_dump_json() for config, _ in runs]
     fitted: dict[str, Calibration] = {}
