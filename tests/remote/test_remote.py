@@ -296,8 +296,33 @@ def test_container_job_over_ssh(inventory, tmp_path, bigmem_image):
         fetched = remote("fetch", "lab", "boxed", "--to", tmp_path / "fetched", inventory=inventory)
         assert fetched.returncode == 0 and "verdict PASS" in fetched.stdout, fetched.stderr
         assert "PASS" in (tmp_path / "fetched" / "boxed" / "job.log").read_text()
+
+        # Predict with the container job's model in a container of its own (model, images and labels
+        # mounted read-only, no network): masks and evaluation land in its results/ and come back.
+        dataset = next((tmp_path / "remote" / "jobs" / "boxed" / "results").glob("synthetic-*"))
+        images = sorted((dataset / "imagesTr").glob("*.nii.gz"))
+        started = remote(
+            "predict", "lab", "--job", "boxed", "--data", dataset / "imagesTr", "--labels", dataset / "labelsTr",
+            "--name", "boxed-predict", "--image", image, inventory=inventory,
+        )  # fmt: skip
+        assert started.returncode == 0, started.stderr
+        assert "started boxed-predict on lab (container " in started.stdout, started.stdout
+        followed = remote("logs", "lab", "boxed-predict", "--follow", inventory=inventory, timeout=900)
+        assert f"PREDICTED {len(images)} case(s)" in followed.stdout, followed.stdout[-3000:]
+        status = _status(inventory, "boxed-predict")
+        assert (status["mode"], status["command"], status["state"], status["exit_code"]) == (
+            "docker", "predict", "finished", 0,
+        ), status  # fmt: skip
+        assert status["evaluation"]["foreground"]["cases"] == len(images)
+        fetched = remote("fetch", "lab", "boxed-predict", "--to", tmp_path / "fetched", inventory=inventory)
+        assert fetched.returncode == 0, fetched.stderr
+        out = tmp_path / "fetched" / "boxed-predict"
+        for image_path in images:
+            mask = nib.load(out / image_path.name)
+            assert mask.shape == nib.load(image_path).shape[:3] and mask.get_data_dtype() == "uint8"
     finally:
-        subprocess.run(["docker", "rm", "-f", "boxed"], capture_output=True, timeout=60)
+        for container in ("boxed", "boxed-predict"):
+            subprocess.run(["docker", "rm", "-f", container], capture_output=True, timeout=60)
 
 
 # --- remote predict ------------------------------------------------------------------------------------

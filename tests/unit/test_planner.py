@@ -1092,6 +1092,7 @@ def test_plan_states_the_range_its_runs_end_in(tables):
     assert "ended 0.4 % to 6.1 % below it" in format_plan(plan)
     recomputed = plan_job(study(**{"model.recompute": True}), host=None, calibration=calibration)
     assert recomputed.to_dict()["expected_range"]["below"] == [-0.02, 0.14]
+    assert "ended between 2.0 % above and 14.0 % below it" in format_plan(recomputed)
     # The launcher hands the plan down through plan.json: the range travels with it.
     assert JobPlan.from_dict(plan.config, plan.to_dict()).expected_range == plan.expected_range
     # Constants fitted before ranges were recorded state none.

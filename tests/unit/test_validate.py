@@ -149,7 +149,7 @@ def test_plan_criterion_takes_the_lower_end_of_the_stated_range(tmp_path):
     (run_dir / "plan.json").write_text(json.dumps({**plan, "expected_range": stated}))
     criterion = next(c for c in evaluate(run_dir).criteria if c.name == "plan")
     assert criterion.passed, criterion.detail
-    assert "ended -1.0% to 25.0% below their plans in calibration" in criterion.detail
+    assert "ended between 1.0 % above and 25.0 % below their plans in calibration" in criterion.detail
 
 
 def test_report_shows_the_planned_breakdown_next_to_the_measured_peak(tmp_path):
@@ -178,7 +178,7 @@ def test_report_shows_the_planned_breakdown_next_to_the_measured_peak(tmp_path):
     (run_dir / "plan.json").write_text(json.dumps(plan))
     text = write_report(run_dir).read_text()
     assert "<td>expected range</td><td>2.68 GiB to 2.94 GiB</td>" in text
-    assert "60 calibration runs ended 0.4% to 6.1% below it" in text
+    assert "60 calibration runs ended 0.4 % to 6.1 % below it" in text
 
 
 def test_validate_command_exit_codes(tmp_path, capsys):

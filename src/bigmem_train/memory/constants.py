@@ -177,6 +177,14 @@ PLAN_COST_BOUND = 0.12
 PLAN_COST_MEASURED = 0.20
 
 
+def ended_span(low: float, high: float, plans: str = "it") -> str:
+    """Where runs ended against their plans (fractions below; negative: above) in words: "ended 0.4 % to
+    6.1 % below it", or "ended between 1.2 % above and 6.8 % below it"."""
+    if low < 0:
+        return f"ended between {-low * 100:.1f} % above and {high * 100:.1f} % below {plans}"
+    return f"ended {low * 100:.1f} % to {high * 100:.1f} % below {plans}"
+
+
 def run_kind(config: Config) -> str:
     """The kind of job whose runs part alike: "recompute" (blocks rebuilt in backward strand the most
     pages), "mixed" (runtime.precision not float32), else "plain"."""

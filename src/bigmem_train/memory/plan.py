@@ -9,7 +9,7 @@ from bigmem_train.config import Config
 from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.host import HostFacts
 from bigmem_train.memory import constants, layers
-from bigmem_train.memory.constants import PLAN_COVERAGE, Calibration
+from bigmem_train.memory.constants import PLAN_COVERAGE, Calibration, ended_span
 from bigmem_train.memory.estimate import breakdown_for
 from bigmem_train.memory.levers import Lever, cheapest_keeping_job, levers_to_fit
 from bigmem_train.memory.placement import Placement, decide_placement
@@ -143,15 +143,10 @@ class JobPlan:
         lowest, highest = self.range_bytes()
         return (
             f"the plan is the upper envelope of this kind of job's runs ({self.expected_range['kind']}): "
-            f"its {self.expected_range['runs']} calibration runs ended {_percent(low)} to {_percent(high)} "
-            f"below it, and a run may end at most {coverage:.0%} above it "
+            f"its {self.expected_range['runs']} calibration runs {ended_span(low, high)}, "
+            f"and a run may end at most {coverage:.0%} above it "
             f"({format_bytes(lowest)} to {format_bytes(highest)})"
         )
-
-
-def _percent(fraction: float) -> str:
-    """-0.012 -> "-1.2 %" (above the plan), 0.051 -> "5.1 %"."""
-    return f"{fraction * 100:.1f} %"
 
 
 def _range_from_dict(data: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bigmem_train.errors import BadInput
+from bigmem_train.memory.constants import ended_span
 from bigmem_train.sizes import GIB, format_bytes
 from bigmem_train.verdict.rundir import read_history, read_memory_csv
 
@@ -138,7 +139,7 @@ def _planned_memory_rows(plan: dict, metrics: dict) -> str:
         rows.append(
             f"<tr><td>expected range</td><td>{_gib(stated['low_bytes'])} to {_gib(stated['high_bytes'])}</td>"
             f"<td>the plan is the upper envelope of this kind of job's runs: {stated.get('runs', '?')} "
-            f"calibration runs ended {low:.1%} to {high:.1%} below it; a run may end at most "
+            f"calibration runs {ended_span(low, high)}; a run may end at most "
             f"{stated.get('coverage', 0.03):.0%} above it</td></tr>"
         )
     return "\n".join(rows)

@@ -10,7 +10,7 @@ from typing import Any
 
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
-from bigmem_train.memory.constants import PLAN_COST_MEASURED, PLAN_COVERAGE
+from bigmem_train.memory.constants import PLAN_COST_MEASURED, PLAN_COVERAGE, ended_span
 from bigmem_train.sizes import format_bytes
 from bigmem_train.verdict.postmortem import after_memory_stop, diagnose
 from bigmem_train.verdict.rundir import (
@@ -237,7 +237,7 @@ def plan_criterion(planned: int, peak: int, expected_range: dict[str, Any] | Non
     if expected_range:
         low, high = expected_range["below"]
         lowest = max(lowest, high)
-        stated = f"; runs of this kind ended {low:.1%} to {high:.1%} below their plans in calibration"
+        stated = f"; runs of this kind {ended_span(low, high, 'their plans')} in calibration"
     above = (peak - planned) / planned
     passed = -lowest <= above <= coverage or abs(planned - peak) <= PLAN_CHECK_FLOOR_BYTES
     side = "above" if above > 0 else "below"
