@@ -12,7 +12,7 @@ from bigmem_train.config import load_config
 from bigmem_train.errors import EXIT_DOES_NOT_FIT, BadInput, DoesNotFit
 from bigmem_train.host import cpu_isa, read_host_facts, this_cpu_flags
 from bigmem_train.memory import calibrate, constants, estimate, layers, sizing
-from bigmem_train.memory.constants import PLAN_COVERAGE, Calibration
+from bigmem_train.memory.constants import LONG_RUN_GROWTH, PLAN_COVERAGE, Calibration
 from bigmem_train.memory.estimate import BREAKDOWN_KEYS, breakdown_for
 from bigmem_train.memory.placement import Placement, decide_placement
 from bigmem_train.memory.plan import JobPlan, plan_job
@@ -815,6 +815,11 @@ def test_calibration_file_lookup_order(tmp_path, monkeypatch):
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(override))
     assert constants.load_calibration().runtime_baseline_bytes == 5
     assert constants.load_calibration().skipped == []
+    # A file that does not say how long its runs were was fitted on short runs: a long run's climb is
+    # added to its plans; one fitted on runs that reached their plateau says 0.
+    assert constants.load_calibration().long_run_growth == LONG_RUN_GROWTH
+    override.write_text(json.dumps({**json.loads(override.read_text()), "long_run_growth": 0.0}))
+    assert constants.load_calibration().long_run_growth == 0.0
 
 
 def test_packaged_constants_of_this_cpu_class_come_before_the_default(tmp_path, monkeypatch):
@@ -1000,8 +1005,12 @@ def test_calibration_fit_is_the_envelope_of_each_jobs_runs(tables):
     assert fitted.activation_factor == pytest.approx(1.2, abs=1e-3)  # the worst runs', not 1.2 x 0.953
     assert abs(fitted.runtime_baseline_bytes - truth.runtime_baseline_bytes) < 1024**2
     assert fitted.envelope_margin == 0.0  # every run is at or under its plan
+    # Fitted on short runs: the plan also holds what a long run climbs past them, and states where the
+    # calibration's own (short) runs ended below that.
+    assert fitted.long_run_growth == LONG_RUN_GROWTH > 0
     low, high = fitted.run_range["plain"]
-    assert low == pytest.approx(0.0, abs=1e-3) and high == pytest.approx(0.09, abs=1e-3)
+    assert low == pytest.approx(1 - 1 / (1 + LONG_RUN_GROWTH), abs=1e-3)
+    assert high == pytest.approx(1 - 0.91 / (1 + LONG_RUN_GROWTH), abs=1e-3)
     assert fitted.run_range_runs == {"plain": 3 * len(FIT_JOBS)}
 
 
@@ -1027,19 +1036,22 @@ def test_envelope_margin_is_the_least_that_keeps_every_held_out_run_within_the_c
     assert calibrate.held_out_ratios(samples) is not None  # every job can be left out
     key = config.model_dump_json()
     others = calibrate.fit_constants([sample for sample in samples if sample[0].model_dump_json() != key])
-    held_out = dataclasses.replace(others, envelope_margins=fitted.envelope_margins)
+    held_out = dataclasses.replace(others, envelope_margins=fitted.envelope_margins, long_run_growth=0.0)
     assert samples[4][1] / sum(estimate.estimate(config, held_out).values()) == pytest.approx(
         1 + PLAN_COVERAGE, abs=1e-3
     )  # the least margin that covers the run where its job was not fitted
     # In-sample, the fit absorbed part of that run: the margin covers it with room to spare.
     ratios = [measured / sum(estimate.estimate(config, fitted).values()) for config, measured in samples]
     assert max(ratios) < 1 + PLAN_COVERAGE
-    assert fitted.margin_for(config) == fitted.envelope_margins["plain"] > 0.0
+    assert fitted.envelope_margins["plain"] > 0.0
+    assert 1 + fitted.margin_for(config) == pytest.approx(
+        (1 + fitted.envelope_margins["plain"]) * (1 + LONG_RUN_GROWTH)
+    )
     breakdown = estimate.estimate(config, fitted)
     assert breakdown["envelope"] == pytest.approx(
         fitted.margin_for(config) * (sum(breakdown.values()) - breakdown["envelope"]), rel=1e-6
     )
-    without = dataclasses.replace(fitted, envelope_margin=0.0, envelope_margins={})
+    without = dataclasses.replace(fitted, envelope_margin=0.0, envelope_margins={}, long_run_growth=0.0)
     assert sum(breakdown.values()) > sum(estimate.estimate(config, without).values())
 
 
@@ -1069,12 +1081,13 @@ def test_each_kind_of_job_pays_its_own_margin(tables):
     assert fitted.envelope_margin == fitted.envelope_margins["recompute"]
     plain = calibrate.job_config(base, **FIT_JOBS[2])
     recomputed = calibrate.job_config(base, **recomputed_jobs[1])
-    assert estimate.estimate(plain, fitted)["envelope"] == 0
-    assert estimate.estimate(recomputed, fitted)["envelope"] > 0
+    short = dataclasses.replace(fitted, long_run_growth=0.0)  # the margins alone
+    assert estimate.estimate(plain, short)["envelope"] == 0
+    assert estimate.estimate(recomputed, short)["envelope"] > 0
     assert fitted.run_range_runs == {"plain": 2 * len(FIT_JOBS), "recompute": 6}
     # bfloat16 was not calibrated here: such a plan takes the largest margin, not the plain one.
     mixed = calibrate.job_config(base, **{**FIT_JOBS[2], "precision": "mixed_bfloat16"})
-    assert fitted.margin_for(mixed) == fitted.envelope_margin
+    assert short.margin_for(mixed) == short.margin_for(recomputed) > 0
 
 
 def test_plan_states_the_range_its_runs_end_in(tables):

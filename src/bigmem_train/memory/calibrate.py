@@ -33,6 +33,7 @@ from bigmem_train.errors import BadInput
 from bigmem_train.host import cpu_isa, read_cpu_flags, read_cpu_model
 from bigmem_train.memory import layers
 from bigmem_train.memory.constants import (
+    LONG_RUN_GROWTH,
     MODEL_VERSION,
     PLAN_COVERAGE,
     Calibration,
@@ -245,6 +246,8 @@ def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | No
     """The constants fitted on ``samples`` (:func:`fit_worst_runs`), made the upper envelope of the runs
     by :func:`envelope` with margins set on each job as the others predict it (:func:`held_out_ratios`)."""
     fitted, every_run = fit_worst_runs(samples)
+    # The runs are short whole runs (WHOLE_RUN_EPOCHS x WHOLE_RUN_STEPS): a long run climbs past them.
+    fitted = dataclasses.replace(fitted, long_run_growth=LONG_RUN_GROWTH)
     return envelope(fitted, every_run, held_out_ratios(every_run))
 
 
@@ -409,8 +412,9 @@ def envelope(
     parting any calibration job showed, for every job; the coverage lets a rare run end up to 3 % above
     the plan instead. One margin for all kinds made plain jobs pay for what recomputed ones part
     (docs/design/planner.md, "The plan is an envelope")."""
-    base = dataclasses.replace(fitted, envelope_margin=0.0, envelope_margins={})
+    base = dataclasses.replace(fitted, envelope_margin=0.0, envelope_margins={}, long_run_growth=0.0)
     estimates = [sum(estimate(config, base).values()) for config, _ in runs]
+    growth = 1 + fitted.long_run_growth  # the plan also holds what a long run climbs past these runs
     ratios = held_out or [measured / planned for (_, measured), planned in zip(runs, estimates)]
     by_kind: dict[str, list[int]] = {}
     for index, (config, _) in enumerate(runs):
@@ -419,7 +423,7 @@ def envelope(
     ranges: dict[str, list[float]] = {}
     for kind, indices in by_kind.items():
         margin = round(max(0.0, max(ratios[i] for i in indices) / (1 + PLAN_COVERAGE) - 1), 4)
-        below = [1 - runs[i][1] / (estimates[i] * (1 + margin)) for i in indices]
+        below = [1 - runs[i][1] / (estimates[i] * (1 + margin) * growth) for i in indices]
         margins[kind] = margin
         ranges[kind] = [round(min(below), 4), round(max(below), 4)]
     return dataclasses.replace(
@@ -478,6 +482,7 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "file_backed_bytes": calibration.file_backed_bytes,
         "envelope_margin": calibration.envelope_margin,
         "envelope_margins": calibration.envelope_margins,
+        "long_run_growth": calibration.long_run_growth,
         "run_range": calibration.run_range,
         "run_range_runs": calibration.run_range_runs,
         "measured": measured,

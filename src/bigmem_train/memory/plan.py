@@ -143,8 +143,13 @@ class JobPlan:
         lowest, highest = self.range_bytes()
         return (
             f"the plan is the upper envelope of this kind of job's runs ({self.expected_range['kind']}): "
-            f"its {self.expected_range['runs']} calibration runs {ended_span(low, high)}, "
-            f"and a run may end at most {coverage:.0%} above it "
+            f"its {self.expected_range['runs']} calibration runs {ended_span(low, high)}"
+            + (
+                f" (short runs: it adds {growth:.0%} for what a long run climbs past them)"
+                if (growth := self.expected_range.get("long_run_growth"))
+                else ""
+            )
+            + f", and a run may end at most {coverage:.0%} above it "
             f"({format_bytes(lowest)} to {format_bytes(highest)})"
         )
 
@@ -152,7 +157,8 @@ class JobPlan:
 def _range_from_dict(data: dict[str, Any] | None) -> dict[str, Any] | None:
     if not data:
         return None
-    return {key: data[key] for key in ("kind", "below", "runs", "coverage", "cost_bound") if key in data}
+    keys = ("kind", "below", "runs", "coverage", "cost_bound", "long_run_growth")
+    return {key: data[key] for key in keys if key in data}
 
 
 def plan_job(
