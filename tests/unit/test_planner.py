@@ -579,20 +579,26 @@ def test_plan_trades_the_calibrated_file_backed_part_for_the_runs_own():
     assert old.with_file_backed(440 * 2**20).peak_bytes == old.peak_bytes
 
 
+# Constants with a recompute factor of their own, and recomputed calibration jobs to fit it on.
+RECOMPUTE_TRUTH = Calibration(
+    runtime_baseline_bytes=650 * 1024**2,
+    activation_factor=1.03,
+    recompute_factor=1.21,
+    workspace_factor=0.0,
+)
+RECOMPUTED_FIT_JOBS = [
+    {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
+    {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
+    {"shape": (48, 48, 32), "batch": 4, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
+]
+
+
 def test_recomputed_jobs_get_their_own_factor(tables):
     """Rebuilding blocks strands more of the allocator's pages per live byte: recomputed calibration jobs
     fit their own factor, and only recomputed plans use it."""
-    truth = Calibration(
-        runtime_baseline_bytes=650 * 1024**2,
-        activation_factor=1.03,
-        recompute_factor=1.21,
-        workspace_factor=0.0,
-    )
+    truth = RECOMPUTE_TRUTH
     base = load_config(None, {})
-    jobs = FIT_JOBS + [
-        {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
-        {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
-    ]
+    jobs = FIT_JOBS + RECOMPUTED_FIT_JOBS[:2]
     samples = []
     for job in jobs:
         config = calibrate.job_config(base, **job)
@@ -1058,18 +1064,9 @@ def test_envelope_margin_is_the_least_that_keeps_every_held_out_run_within_the_c
 def test_each_kind_of_job_pays_its_own_margin(tables):
     """Recomputed jobs part more from run to run than plain ones: their margin is theirs, and a plain
     job's plan does not pay for it. A kind the calibration never ran gets the largest margin."""
-    truth = Calibration(
-        runtime_baseline_bytes=650 * 1024**2,
-        activation_factor=1.03,
-        recompute_factor=1.21,
-        workspace_factor=0.0,
-    )
+    truth = RECOMPUTE_TRUTH
     base = load_config(None, {})
-    recomputed_jobs = [
-        {"shape": (64, 64, 32), "batch": 1, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
-        {"shape": (64, 64, 48), "batch": 2, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
-        {"shape": (48, 48, 32), "batch": 4, "filters": 16, "depth": 4, "channels": 1, "recompute": True},
-    ]
+    recomputed_jobs = RECOMPUTED_FIT_JOBS
     samples = runs_of(truth, (1.0, 0.98))
     for number, job in enumerate(recomputed_jobs):
         config = calibrate.job_config(base, **job)
