@@ -25,7 +25,6 @@ from pathlib import Path
 
 from planner_accuracy import RESULTS, SWEEP, config_of, cpu_kind, describe, file_backed_correction
 
-from bigmem_train.memory import calibrate
 from bigmem_train.memory.calibrate import WHOLE_RUN_EPOCHS, WHOLE_RUN_STEPS, measure_run
 from bigmem_train.memory.constants import PLAN_COVERAGE, load_calibration
 from bigmem_train.memory.estimate import estimate
@@ -49,11 +48,10 @@ def measure(results: Path, jobs: list[str], epochs: int) -> None:
     if unknown:
         raise SystemExit(f"not sweep jobs: {unknown} (names as planner_accuracy.py prints them)")
     workdir = Path(os.environ.get("BIGMEM_ACCURACY_WORKDIR") or tempfile.gettempdir()) / "bigmem-long-runs"
-    calibrate.WHOLE_RUN_EPOCHS = epochs  # the same whole run, longer
     for name in jobs:
         load = os.getloadavg()[0]
         run_name = name.replace(" ", "_")
-        metrics = measure_run(config_of(names[name]), workdir, run_name, keep=True)
+        metrics = measure_run(config_of(names[name]), workdir, run_name, keep=True, epochs=epochs)
         record = {
             "job": {**names[name], "shape": list(names[name]["shape"])},
             "epochs": epochs,

@@ -982,6 +982,9 @@ def test_a_whole_run_validates_one_case_or_as_many_as_asked(tmp_path):
         train, validation = split_cases(cases, run.data.validation_fraction, run.data.split_seed)
         assert (len(train), len(validation)) == (3, validation_cases)
         assert (run.training.epochs, run.training.steps_per_epoch) == (2, 2)
+    # The same whole run, longer (benchmarks/long_run_growth.py): only the epochs change.
+    longer = calibrate.whole_run_config(config, tmp_path, "run", epochs=8)
+    assert (longer.training.epochs, longer.training.steps_per_epoch) == (8, 2)
 
 
 def test_run_with_a_target_beyond_the_host_exits_3_before_writing(tmp_path, capsys):

@@ -114,10 +114,17 @@ WHOLE_RUN_STEPS = 2
 WHOLE_RUN_CASES = 4
 
 
-def whole_run_config(config: Config, results_dir: Path, run_name: str, validation_cases: int = 1) -> Config:
+def whole_run_config(
+    config: Config,
+    results_dir: Path,
+    run_name: str,
+    validation_cases: int = 1,
+    epochs: int = WHOLE_RUN_EPOCHS,
+) -> Config:
     """``config`` as a short whole run of the same job (model, batch, shape, channels, runtime), trained
     by ``bigmem-train train`` on a synthetic dataset of its input shape kept under ``results_dir``;
-    ``validation_cases`` cases validate (one by default: a validation batch of one sample)."""
+    ``validation_cases`` cases validate (one by default: a validation batch of one sample); ``epochs`` of
+    ``WHOLE_RUN_STEPS`` steps (more to measure what a longer run climbs to: benchmarks/long_run_growth.py)."""
     data = config.model_dump(mode="json")
     cases = WHOLE_RUN_CASES - 1 + validation_cases
     data["data"].update(
@@ -128,7 +135,7 @@ def whole_run_config(config: Config, results_dir: Path, run_name: str, validatio
         validation_fraction=validation_cases / cases,
     )
     data["training"].update(
-        epochs=WHOLE_RUN_EPOCHS, steps_per_epoch=WHOLE_RUN_STEPS, validation_steps=None, strategy="single"
+        epochs=epochs, steps_per_epoch=WHOLE_RUN_STEPS, validation_steps=None, strategy="single"
     )
     data["footprint"].update(target=None, safety_margin=0.02)  # measure what the host can hold
     data["output"].update(results_dir=str(results_dir), run_name=run_name)
@@ -142,11 +149,12 @@ def measure_run(
     timeout: float = 7200,
     keep: bool = False,
     validation_cases: int = 1,
+    epochs: int = WHOLE_RUN_EPOCHS,
 ) -> dict[str, Any]:
     """Run ``bigmem-train train`` on ``config`` as a short whole run (:func:`whole_run_config`) in a
     child process, as a user would; return its metrics.json (peak resident memory, step times) with
     the wall time. The run directory is removed unless ``keep``."""
-    run_config = whole_run_config(config, results_dir, run_name, validation_cases)
+    run_config = whole_run_config(config, results_dir, run_name, validation_cases, epochs)
     results_dir.mkdir(parents=True, exist_ok=True)
     config_file = results_dir / f"{run_name}.yaml"
     config_file.write_text(json.dumps(run_config.model_dump(mode="json")))
