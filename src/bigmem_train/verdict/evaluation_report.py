@@ -7,15 +7,15 @@ import html
 from pathlib import Path
 from typing import Any
 
+from bigmem_train.verdict.figures import pyplot, save_figure
+
 
 def plot_evaluation(result: dict[str, Any], path: Path) -> Path | None:
     """Per structure: every case's Dice and HD95 as points over a box (evaluation.png)."""
-    from bigmem_train.verdict.report import _pyplot, _save
-
     structures = list(result.get("summary", {}))
     if not structures:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     figure, (dice_axes, hd_axes) = plt.subplots(1, 2, figsize=(11, 3.8))
     for axes, key, label in ((dice_axes, "dice", "Dice"), (hd_axes, "hd95_mm", "HD95 (mm)")):
         values = [[case[key] for case in result["cases"] if case["structure"] == name] for name in structures]
@@ -28,7 +28,7 @@ def plot_evaluation(result: dict[str, Any], path: Path) -> Path | None:
     dice_axes.set_ylim(-0.02, 1.02)
     hd_axes.set_ylim(bottom=0)
     figure.suptitle(f"{len({case['case'] for case in result['cases']})} case(s)")
-    return _save(plt, figure, path)
+    return save_figure(plt, figure, path)
 
 
 def _cell(value: Any) -> str:

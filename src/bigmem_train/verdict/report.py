@@ -9,31 +9,13 @@ from pathlib import Path
 from bigmem_train.errors import BadInput
 from bigmem_train.memory.constants import ended_span
 from bigmem_train.sizes import GIB, format_bytes
+from bigmem_train.verdict.evaluation_report import evaluation_tables, plot_evaluation
+from bigmem_train.verdict.figures import pyplot, save_figure
 from bigmem_train.verdict.rundir import read_history, read_memory_csv
 
 
-def _pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (servers and containers have no display).
-
-    Imported here, not at the top: the backend must be chosen before pyplot loads, and only a process
-    that writes a report should make that choice."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(plt, figure, path: Path) -> Path:
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
-
-
 def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
-    plt = _pyplot()
+    plt = pyplot()
     memory = read_memory_csv(run_dir / "memory.csv")
     if not memory:
         return None
@@ -69,11 +51,11 @@ def _plot_memory(run_dir: Path, metrics: dict) -> Path | None:
     axis.set_title("Memory over time")
     axis.legend(loc="lower right")
     axis.grid(alpha=0.3)
-    return _save(plt, figure, run_dir / "memory.png")
+    return save_figure(plt, figure, run_dir / "memory.png")
 
 
 def _plot_training(run_dir: Path) -> Path | None:
-    plt = _pyplot()
+    plt = pyplot()
     history = read_history(run_dir / "history.csv")
     if not history:
         return None
@@ -95,7 +77,7 @@ def _plot_training(run_dir: Path) -> Path | None:
         axis.set_xlabel("epoch")
         axis.legend()
         axis.grid(alpha=0.3)
-    return _save(plt, figure, run_dir / "training.png")
+    return save_figure(plt, figure, run_dir / "training.png")
 
 
 def _load(path: Path) -> dict:
@@ -242,8 +224,6 @@ def write_report(run_dir: Path) -> Path:
 
 def _evaluation_section(run_dir: Path) -> str:
     """The best checkpoint on the whole validation volumes (RUN_DIR/evaluation/), when the run has it."""
-    from bigmem_train.verdict.evaluation_report import evaluation_tables, plot_evaluation
-
     folder = run_dir / "evaluation"
     result = _load(folder / "evaluation.json")
     if not result.get("summary"):
