@@ -10,6 +10,7 @@ line naming the field.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -397,6 +398,24 @@ REMOVED_KEYS = {
 }
 
 
+def _closest_key(location: tuple) -> str:
+    """`` (did you mean 'training.epochs'?)`` for an unknown key, from the keys of its section; else
+    `` (typo?)``."""
+    section: type[BaseModel] = Config
+    for part in location[:-1]:
+        field = section.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return " (typo?)"
+        section = annotation
+    close = difflib.get_close_matches(str(location[-1]), list(section.model_fields), n=1)
+    if not close:
+        return (
+            f" (the keys of {'.'.join(map(str, location[:-1])) or 'the top level'}: docs/reference/config.md)"
+        )
+    return f" (did you mean {'.'.join([*map(str, location[:-1]), close[0]])!r}?)"
+
+
 def _format_error(error: ValidationError) -> str:
     """One line naming the field: ``training.batch_size: Input should be greater than or equal to 1``."""
     first = error.errors()[0]
@@ -404,7 +423,7 @@ def _format_error(error: ValidationError) -> str:
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         removed = REMOVED_KEYS.get(location)
-        message = f"removed ({removed}); delete it" if removed else "unknown key (typo?)"
+        message = f"removed ({removed}); delete it" if removed else f"unknown key{_closest_key(first['loc'])}"
     extra = f" (and {len(error.errors()) - 1} more)" if len(error.errors()) > 1 else ""
     return f"config {location or '<root>'}: {message}{extra}" if location else f"config: {message}{extra}"
 

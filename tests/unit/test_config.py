@@ -182,3 +182,33 @@ def test_every_runtime_and_footprint_knob_states_its_measured_reason():
     for key in REMOVED_KEYS:
         section, name = key.split(".")
         assert name not in Config.model_fields[section].annotation.model_fields
+
+
+@pytest.mark.parametrize(
+    ("text", "overrides", "message"),
+    [
+        (
+            "training:\n  epochs: 2\n",
+            {"training.epoch": 3},
+            "--set training.epoch=3: config training.epoch: unknown key (did you mean 'training.epochs'?)",
+        ),
+        ("trainig:\n  epochs: 2\n", {}, "config trainig: unknown key (did you mean 'training'?)"),
+        (
+            "model:\n  base_filter: 8\n",
+            {},
+            "config model.base_filter: unknown key (did you mean 'model.base_filters'?)",
+        ),
+        (
+            "training:\n  zzzqqq: 2\n",
+            {},
+            "config training.zzzqqq: unknown key (the keys of training: docs/reference/config.md)",
+        ),
+    ],
+)
+def test_an_unknown_key_gets_the_closest_name(tmp_path, text, overrides, message):
+    """A typo in a YAML file or a --set gets the closest key of its section, as render --var does."""
+    path = tmp_path / "job.yaml"
+    path.write_text(text)
+    with pytest.raises(BadInput) as error:
+        load_config(path, overrides)
+    assert str(error.value).endswith(message)

@@ -211,3 +211,17 @@ def test_an_inventory_with_an_empty_group_has_no_hosts(tmp_path):
     (tmp_path / "inventory.ini").write_text("[lab]\n")
     with pytest.raises(BadInput, match=r"has no hosts \(is it an Ansible INI or YAML inventory\?\)"):
         load_inventory(tmp_path / "inventory.ini")
+
+
+def test_without_ansible_the_error_points_to_the_setup_script(tmp_path, monkeypatch):
+    """No package named bigmem-train is published: the way to the ops tools is the kit's setup script."""
+    import sys
+
+    from bigmem_train.ops.hosts import load_inventory
+
+    inventory = tmp_path / "inventory.ini"
+    inventory.write_text("[bigmem]\nbigmem-01\n")
+    monkeypatch.setitem(sys.modules, "ansible.inventory.manager", None)
+    with pytest.raises(BadInput, match=r"bash scripts/setup\.sh --ops") as error:
+        load_inventory(inventory)
+    assert "pip install" not in str(error.value)

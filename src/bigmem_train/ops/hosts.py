@@ -121,7 +121,8 @@ def load_inventory(path: str | Path) -> Inventory:
         from ansible.vars.manager import VariableManager
     except ImportError:
         raise BadInput(
-            "remote commands need Ansible's inventory parser: pip install 'bigmem-train[ops]'"
+            "remote commands need Ansible's inventory parser: run `bash scripts/setup.sh --ops` in the kit's "
+            "folder (the pinned Ansible and Fabric, into .venv)"
         ) from None
     loader = DataLoader()
     inventory = InventoryManager(loader=loader, sources=[str(path)])
