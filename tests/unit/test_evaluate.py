@@ -1,5 +1,6 @@
 """evaluate: Dice and HD95 against MedPy (a well-kept reference), the empty-mask convention, BraTS regions,
-and the bad inputs it refuses before scoring anything."""
+the pooled Dice, and the bad inputs it refuses before scoring anything. Only the tests that compare with
+MedPy need it (the ``medpy_binary`` fixture); the rest run without it."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import pytest
 
 from bigmem_train.cli import main
 from bigmem_train.errors import BadInput
-from bigmem_train.verdict.evaluate import dice, evaluate_folders, hd95, score_case, structures
+from bigmem_train.verdict.evaluate import dice, evaluate_folders, hd95, score_case, structures, summarize
 
-medpy_binary = pytest.importorskip("medpy.metric.binary")
+
+@pytest.fixture
+def medpy_binary():
+    """MedPy's binary metrics (scripts/setup.sh --test installs MedPy); skips only the tests that use it."""
+    return pytest.importorskip("medpy.metric.binary")
 
 
 def _ball(shape, centre, radius, spacing=(1.0, 1.0, 1.0)) -> np.ndarray:
@@ -52,14 +57,14 @@ CRAFTED = [
 
 
 @pytest.mark.parametrize("predicted, true, spacing", CRAFTED)
-def test_crafted_cases_match_medpy(predicted, true, spacing):
+def test_crafted_cases_match_medpy(medpy_binary, predicted, true, spacing):
     assert dice(predicted, true) == pytest.approx(medpy_binary.dc(predicted, true), abs=1e-12)
     assert hd95(predicted, true, spacing) == pytest.approx(
         medpy_binary.hd95(predicted, true, voxelspacing=spacing), abs=1e-9
     )
 
 
-def test_random_cases_match_medpy():
+def test_random_cases_match_medpy(medpy_binary):
     rng = np.random.default_rng(7)
     compared = 0
     for _ in range(24):
@@ -103,6 +108,56 @@ def test_brats_regions_pool_the_decathlon_labels():
     assert scores["edema"].true_voxels == 6**3 - 2**3
 
 
+def _voxels(shape, values: dict[tuple[int, int, int], int]) -> np.ndarray:
+    volume = np.zeros(shape, np.int32)
+    for index, value in values.items():
+        volume[index] = value
+    return volume
+
+
+def test_tumour_core_is_labels_2_and_3_without_the_edema():
+    # Four tumour voxels in a row; the prediction calls the edema voxel at x=3 non-enhancing.
+    #   true:      x=0 -> 2, x=1 -> 3, x=2 -> 1, x=3 -> 1
+    #   predicted: x=0 -> 2, x=1 -> 3, x=2 -> 1, x=3 -> 2
+    true = _voxels((6, 3, 3), {(0, 1, 1): 2, (1, 1, 1): 3, (2, 1, 1): 1, (3, 1, 1): 1})
+    predicted = _voxels((6, 3, 3), {(0, 1, 1): 2, (1, 1, 1): 3, (2, 1, 1): 1, (3, 1, 1): 2})
+    named = structures("multiclass", 4, {0, 1, 2, 3})
+    scores = {score.structure: score for score in score_case("c", predicted, true, (1.0, 1.0, 1.0), named)}
+    # Tumour core {2, 3}: true {x0, x1}, predicted {x0, x1, x3}: 2 x 2 / (3 + 2) = 0.8.
+    # (With the edema in it, {1, 2, 3}, both are {x0..x3}: Dice 1.0, the whole tumour's.)
+    core = scores["tumour core"]
+    assert (core.true_voxels, core.predicted_voxels, core.intersection_voxels) == (2, 3, 2)
+    assert core.dice == pytest.approx(0.8)
+    # Whole tumour {1, 2, 3}: all four voxels on both sides: 1.0. Enhancing {3}: x1 on both: 1.0.
+    assert scores["whole tumour"].dice == 1.0 and scores["whole tumour"].true_voxels == 4
+    assert scores["enhancing tumour"].dice == 1.0 and scores["enhancing tumour"].true_voxels == 1
+    # Edema (1): true {x2, x3}, predicted {x2}: 2 x 1 / (1 + 2) = 2/3. Non-enhancing (2): true {x0},
+    # predicted {x0, x3}: 2 x 1 / (2 + 1) = 2/3.
+    assert scores["edema"].dice == pytest.approx(2 / 3)
+    assert scores["non-enhancing tumour"].dice == pytest.approx(2 / 3)
+
+
+def test_pooled_dice_sums_every_case_before_dividing():
+    # Case a: 2 true voxels, both predicted: Dice 2 x 2 / (2 + 2) = 1.
+    # Case b: 8 true voxels, 4 of them predicted and nothing else: Dice 2 x 4 / (4 + 8) = 2/3.
+    # Mean of the two: (1 + 2/3) / 2 = 0.8333; median the same (two cases).
+    # Pooled: 2 x (2 + 4) / ((2 + 2) + (4 + 8)) = 12 / 16 = 0.75.
+    shape = (4, 4, 4)
+    true_a = _voxels(shape, {(0, 0, 0): 1, (0, 0, 1): 1})
+    true_b = np.zeros(shape, np.int32)
+    true_b[:2, :2, :2] = 1
+    predicted_b = np.zeros(shape, np.int32)
+    predicted_b[:1, :2, :2] = 1
+    named = {"foreground": ()}
+    scores = score_case("a", true_a.copy(), true_a, (1.0, 1.0, 1.0), named)
+    scores += score_case("b", predicted_b, true_b, (1.0, 1.0, 1.0), named)
+    summary = summarize(scores, ["foreground"])["summary"]["foreground"]
+    assert summary["cases"] == 2
+    assert summary["pooled_dice"] == 0.75
+    assert summary["mean_dice"] == pytest.approx(0.8333, abs=1e-4)
+    assert summary["median_dice"] == pytest.approx(0.8333, abs=1e-4)
+
+
 def _write(path, data, affine=None, zooms=(1.0, 1.0, 1.0)):
     image = nib.Nifti1Image(np.asarray(data), np.diag([*zooms, 1.0]) if affine is None else affine)
     image.header.set_zooms(zooms)
@@ -132,9 +187,9 @@ def test_evaluate_writes_json_csv_html_and_a_plot(tmp_path):
     row = result["cases"][0]
     true = np.asanyarray(nib.load(labels / "case_0.nii.gz").dataobj) > 0
     predicted = np.asanyarray(nib.load(pred / "case_0.nii.gz").dataobj) > 0
-    assert row["dice"] == pytest.approx(medpy_binary.dc(predicted, true), abs=1e-4)
-    assert row["hd95_mm"] == pytest.approx(
-        medpy_binary.hd95(predicted, true, voxelspacing=(1, 1, 2)), abs=0.01
+    # Dice by its definition, 2 |P & T| / (|P| + |T|); each voxel 1 x 1 x 2 mm = 0.002 ml.
+    assert row["dice"] == pytest.approx(
+        2 * (predicted & true).sum() / (predicted.sum() + true.sum()), abs=1e-4
     )
     assert row["true_ml"] == pytest.approx(true.sum() * 2 / 1000, abs=1e-3)
     csv_lines = (tmp_path / "out" / "evaluation.csv").read_text().splitlines()
@@ -142,6 +197,18 @@ def test_evaluate_writes_json_csv_html_and_a_plot(tmp_path):
     page = (tmp_path / "out" / "evaluation.html").read_text()
     assert "case_2" in page and "evaluation.png" in page and "BraTS" in page
     assert (tmp_path / "out" / "evaluation.png").stat().st_size > 1000
+
+
+def test_evaluated_rows_match_medpy_with_the_headers_spacing(medpy_binary, tmp_path):
+    pred, labels = _folders(tmp_path)
+    result = evaluate_folders(pred, labels, tmp_path / "out")
+    for row in result["cases"]:
+        true = np.asanyarray(nib.load(labels / f"{row['case']}.nii.gz").dataobj) > 0
+        predicted = np.asanyarray(nib.load(pred / f"{row['case']}.nii.gz").dataobj) > 0
+        assert row["dice"] == pytest.approx(medpy_binary.dc(predicted, true), abs=1e-4)
+        assert row["hd95_mm"] == pytest.approx(
+            medpy_binary.hd95(predicted, true, voxelspacing=(1, 1, 2)), abs=0.01
+        )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,111 @@
+"""The packaged calibration files hold what the project's fit makes of the runs they store: refitting their
+runs (``calibrate.fit_constants`` as ``calibrate.refit`` does) gives back their constants, margins per kind
+of job, run ranges and long-run allowance. Arithmetic on recorded layer tables
+(tests/fixtures/calibration_tables.py), no TensorFlow."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from bigmem_train.memory import calibrate, constants, layers
+from bigmem_train.memory.constants import LONG_RUN_GROWTH, MODEL_VERSION
+from tests.fixtures import calibration_tables, layer_records
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "design" / "planner.md"
+
+# How each packaged file was fitted, as its measured.how says:
+# - the EPYC's (avx512+bf16) was refitted on 5 December 2026 the way fit_constants fits now: each job's worst
+#   run, margins per kind of job set on runs held out of the fit, LONG_RUN_GROWTH on top (issue 38);
+# - the Xeon's (the default) on 3 December 2026, before issue 38: least squares on every run, no envelope
+#   margins and no long_run_growth key (load_calibration gives such a file LONG_RUN_GROWTH).
+FITTED = {"calibration.avx512+bf16.json": "worst runs, envelope", "calibration.json": "every run"}
+
+# planner.md, "The plan is an envelope": plans fitted on short runs add LONG_RUN_GROWTH (10 %).
+DOCUMENTED_LONG_RUN_GROWTH = 0.10
+
+
+@pytest.fixture
+def calibration_tables_in_place(monkeypatch):
+    """The planner reads the recorded tables of the calibration runs' models instead of building them."""
+    monkeypatch.setattr(layer_records, "read_record", calibration_tables.read_record)
+    monkeypatch.setattr(layers, "layer_table", layer_records.table_for)
+
+
+def _every_run_its_own_job(samples):
+    """``samples`` with each run named apart (output.run_name, which no estimate reads), so that
+    ``fit_worst_runs``, which fits each job's worst run, fits every run: the fit of the files before issue 38."""
+    return [
+        (
+            config.model_copy(update={"output": config.output.model_copy(update={"run_name": f"run-{i}"})}),
+            *rest,
+        )
+        for i, (config, *rest) in enumerate(samples)
+    ]
+
+
+def test_every_packaged_file_stores_its_runs():
+    assert sorted(path.name for path in calibration_tables.PACKAGED_FILES) == sorted(FITTED)
+    for path in calibration_tables.PACKAGED_FILES:
+        data = json.loads(path.read_text())
+        assert data["model"] == MODEL_VERSION, path.name
+        # 23 jobs (20 float32, 3 mixed_bfloat16), measured 2 or 3 times each.
+        assert len(data["measured"]["jobs"]) in (46, 69), path.name
+
+
+def test_recorded_calibration_tables_are_of_the_model_as_it_is():
+    configs = calibration_tables.table_configs()
+    assert sorted(path.stem for path in calibration_tables.TABLES_DIR.glob("*.json")) == sorted(configs)
+    for name, config in configs.items():
+        assert calibration_tables.read_record(name)["key"] == layers._table_key(config), (
+            f"{name}: recorded from another model; run PYTHONPATH=src python -m tests.fixtures.calibration_tables "
+            "(and refit or recalibrate the packaged files: their runs were of the model before)"
+        )
+
+
+@pytest.mark.parametrize("name", sorted(FITTED))
+def test_packaged_constants_are_the_refit_of_their_runs(calibration_tables_in_place, monkeypatch, name):
+    path = constants.PACKAGED_CALIBRATION.with_name(name)
+    samples = calibration_tables.packaged_samples(path)
+    if FITTED[name] == "every run":
+        refitted, _ = calibrate.fit_worst_runs(_every_run_its_own_job(samples))
+        assert not refitted.envelope_margins and not refitted.run_range
+    else:
+        refitted = calibrate.fit_constants(samples)
+        assert set(refitted.envelope_margins) == {"plain", "recompute", "mixed"}
+    # What the planner reads from the file, not the raw JSON: a key dropped from the file counts too.
+    monkeypatch.setenv("BIGMEM_CALIBRATION", str(path))
+    loaded = constants.load_calibration()
+    assert loaded.source == str(path)
+    # The file stores the fit's own rounding (4 decimals for factors and margins, 3 for parameter copies).
+    assert loaded.runtime_baseline_bytes == pytest.approx(refitted.runtime_baseline_bytes, abs=1)
+    assert loaded.file_backed_bytes == pytest.approx(refitted.file_backed_bytes, abs=1)
+    assert loaded.per_convolution_bytes == pytest.approx(refitted.per_convolution_bytes, abs=1)
+    for factor in ("activation_factor", "recompute_factor", "mixed_precision_factor", "workspace_factor"):
+        assert getattr(loaded, factor) == pytest.approx(getattr(refitted, factor), abs=1e-4), factor
+    assert loaded.parameter_copies == pytest.approx(refitted.parameter_copies, abs=1e-3)
+    assert loaded.envelope_margins == pytest.approx(refitted.envelope_margins, abs=1e-4)
+    assert loaded.envelope_margin == pytest.approx(refitted.envelope_margin, abs=1e-4)
+    assert loaded.run_range.keys() == refitted.run_range.keys()
+    for kind, pair in refitted.run_range.items():
+        assert loaded.run_range[kind] == pytest.approx(pair, abs=1e-4), kind
+    assert loaded.run_range_runs == refitted.run_range_runs
+    # Both files were fitted on short runs: every plan adds the documented allowance.
+    assert loaded.long_run_growth == DOCUMENTED_LONG_RUN_GROWTH
+
+
+def test_the_long_run_allowance_is_the_documented_ten_percent():
+    assert re.search(r"add `LONG_RUN_GROWTH` \(10 %", " ".join(DOCS.read_text().split()))
+    assert LONG_RUN_GROWTH == DOCUMENTED_LONG_RUN_GROWTH
+    data = json.loads(constants.PACKAGED_CALIBRATION.with_name("calibration.avx512+bf16.json").read_text())
+    assert data["long_run_growth"] == DOCUMENTED_LONG_RUN_GROWTH
+
+
+@pytest.mark.slow
+def test_recorded_calibration_tables_match_the_model():
+    # Builds the models (imports TensorFlow) and checks the recorded tables still describe them.
+    for name, config in calibration_tables.table_configs().items():
+        assert calibration_tables.record(config) == calibration_tables.read_record(name), name
