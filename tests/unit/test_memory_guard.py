@@ -1,5 +1,7 @@
-"""Charge-aware measurement and the memory guard's decisions, on recorded cgroup v1/v2 layouts; how a run
-whose process is gone ended (postmortem); which config changes resume a run the guard stopped."""
+"""Charge-aware measurement and the memory guard's decisions, on recorded cgroup v1/v2 layouts; the fresh read
+at a step boundary and the Keras callback that stops model.fit there; how a run whose process is gone ended
+(postmortem, validate), a guard stop killed on its way out included; which config changes resume a run the
+guard stopped."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from bigmem_train.errors import BadInput
 from bigmem_train.host import find_memory_cgroup, oom_kill_count
 from bigmem_train.train.guard import MemoryGuard, Trip, stop_message
 from bigmem_train.train.monitor import CSV_COLUMNS, MemoryProbe, MemorySample, MemorySampler
-from bigmem_train.verdict.postmortem import container_id, diagnose, explain
+from bigmem_train.verdict.postmortem import after_memory_stop, container_id, diagnose, explain
 from bigmem_train.verdict.rundir import (
     FINISHED,
     STOPPED,
@@ -396,3 +398,222 @@ def test_a_guard_stop_killed_on_its_way_out_is_said_whole(tmp_path):
     # Left cleanly (everything written), or still on its way out: the stop alone.
     assert after_memory_stop(tmp_path, {**stopped, "leaving": False}) is None
     assert after_memory_stop(tmp_path, {**stopped, "pid": os.getpid(), **process_identity()}) is None
+
+
+# --- the guard at a step boundary, the Keras callback, and a stop killed on its way out ----------------
+
+
+class StandInProbe:
+    """A memory probe that reads the given measurements in turn (the last one from then on), counting reads."""
+
+    def __init__(self, *measured: int, usable: int = 10 * GIB, measure: str = "rss"):
+        self.measured, self.usable, self.measure = list(measured), usable, measure
+        self.reads = 0
+        self.refreshes = 0
+
+    def refresh_page_cache(self) -> None:
+        self.refreshes += 1
+
+    def read(self) -> MemorySample:
+        value = self.measured[min(self.reads, len(self.measured) - 1)]
+        self.reads += 1
+        return sample(value, self.usable, self.measure)
+
+
+def test_a_step_boundary_reads_memory_afresh_before_deciding():
+    # The sampler last saw 5 GiB of 10; memory rose to 9.8 GiB (over 97 %) before its next sample.
+    probe = StandInProbe(int(9.8 * GIB))
+    guard = MemoryGuard(0.97, 0.1, 0.1, None, probe)
+    guard.observe(sample(5 * GIB, 10 * GIB, "rss"))
+    assert guard.trip is None and probe.reads == 0
+    trip = guard.look()
+    assert probe.reads == 1, "the step boundary decided without reading memory afresh"
+    assert trip is not None and trip.reason == "threshold" and trip.sample.measured_bytes == int(9.8 * GIB)
+    # Below the threshold: a fresh look, no trip.
+    calm = MemoryGuard(0.97, 0.1, 0.1, None, StandInProbe(5 * GIB))
+    assert calm.look() is None and calm.probe.reads == 1
+
+
+class _Backup:
+    """Stands in for keras.callbacks.BackupAndRestore: records what the guard asks it to save."""
+
+    def __init__(self):
+        self.saved: list[tuple[int, int]] = []
+        self._current_epoch = None
+        self._last_batch_seen = None
+
+    def _save_model(self):
+        self.saved.append((self._current_epoch, self._last_batch_seen))
+
+
+def test_the_guard_callback_stops_model_fit_at_the_first_step_after_a_trip(tmp_path):
+    import keras
+    import numpy as np
+
+    from bigmem_train.train.guard import MemoryStopped, guard_callback
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    set_state(run_dir, "running")
+    config = config_from_dict({})
+    # Step boundaries 0 and 1 read 1 GiB of 10; boundary 2 reads 9.8 GiB: over 97 %.
+    probe = StandInProbe(GIB, GIB, int(9.8 * GIB))
+    guard = MemoryGuard(0.97, 0.1, 0.1, None, probe)
+    backup = _Backup()
+    steps_ended = []
+
+    class Steps(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps_ended.append(batch)
+
+    inputs = keras.Input((4,))
+    model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd", loss="mse")
+    features, targets = np.zeros((40, 4), "float32"), np.zeros((40, 1), "float32")
+    callbacks = [Steps(), guard_callback(guard, backup, config, run_dir)]
+    with pytest.raises(MemoryStopped) as stopped:
+        model.fit(features, targets, batch_size=4, epochs=2, verbose=0, callbacks=callbacks)
+    assert steps_ended == [0, 1, 2], "training went on past the step boundary after the trip"
+    assert backup.saved == [(0, 2)]
+    record = stopped.value.record
+    assert (record["stopped"], record["reason"], record["epoch"], record["step"]) == (
+        "memory",
+        "threshold",
+        0,
+        2,
+    )
+    assert record["measured_bytes"] == int(9.8 * GIB) and record["usable_bytes"] == 10 * GIB
+    assert "memory guard stopped the run at epoch 1, step 3" in str(stopped.value)
+    state = read_state(run_dir)
+    assert state["state"] == STOPPED and state["stopped"] == "memory" and state["leaving"] is True
+    assert state["step"] == 2 and state["message"] == str(stopped.value)
+
+    # During an epoch's validation the guard stops too, and the epoch in progress is the one to run again.
+    guard = MemoryGuard(0.97, 0.1, 0.1, None, StandInProbe(int(9.9 * GIB)))
+    backup = _Backup()
+    callback = guard_callback(guard, backup, config, run_dir)
+    callback.on_epoch_begin(1)
+    with pytest.raises(MemoryStopped) as stopped:
+        callback.on_test_batch_end(5)
+    assert (stopped.value.record["epoch"], stopped.value.record["step"]) == (1, 5) and backup.saved == [
+        (1, 5)
+    ]
+    # No trip: nothing is saved, nothing raised.
+    quiet = guard_callback(MemoryGuard(0.97, 0.1, 0.1, None, StandInProbe(GIB)), _Backup(), config, run_dir)
+    quiet.on_train_batch_end(0)
+    quiet.on_test_batch_end(0)
+
+
+def _gone_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def _recorded_cgroup(cgroup) -> dict:
+    """The cgroup as rundir.process_identity records it in state.json at the start of a run."""
+    return {
+        "version": cgroup.version,
+        "path": cgroup.path,
+        "folder": str(cgroup.folder),
+        "oom_counter_file": str(cgroup.oom_counter_file),
+        "oom_kills": cgroup.oom_kills(),
+        "limit_bytes": cgroup.limit_bytes(),
+    }
+
+
+def test_a_v2_cgroups_oom_kills_are_counted_and_named_from_memory_events(tmp_path):
+    root = v2_layout(tmp_path / "host", oom_kill=2)
+    cgroup = find_memory_cgroup(root)
+    recorded = _recorded_cgroup(cgroup)
+    assert recorded["oom_kills"] == 2 and recorded["oom_counter_file"].endswith(
+        "/job.slice/run/memory.events"
+    )
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "plan.json").write_text(json.dumps({"peak_bytes": 3 * GIB}))
+    stopped = {
+        **process_identity(),
+        "pid": _gone_pid(),
+        "host_oom_kills": None,
+        "state": STOPPED,
+        "stopped": "memory",
+        "leaving": True,
+        "cgroup": recorded,
+    }
+    # The OOM killer killed the process on its way out: v2 counts it in memory.events (memory.oom_control
+    # is v1's file; a v2 folder has none).
+    write(root, {"sys/fs/cgroup/job.slice/run/memory.events": "low 0\nhigh 0\nmax 9\noom 4\noom_kill 3\n"})
+    ending = after_memory_stop(run_dir, stopped)
+    assert ending is not None and ending.cause == "oom"
+    assert ending.evidence == "cgroup v2 memory.events oom_kill went from 2 to 3 during the run"
+
+
+def test_a_v2_counter_is_found_under_the_hosts_cgroup_mount_when_the_recorded_file_is_not_here(
+    tmp_path, monkeypatch
+):
+    # Recorded inside a container (its own mount namespace); read later from the host, where the run's cgroup
+    # is /sys/fs/cgroup/<path>: v2 keeps its counter in memory.events there.
+    from bigmem_train.verdict import postmortem
+
+    host = tmp_path / "host"
+    write(host, {"sys/fs/cgroup/job.slice/run/memory.events": "low 0\nhigh 0\nmax 9\noom 4\noom_kill 3\n"})
+
+    def host_view(*parts):
+        path = Path(*parts)
+        return host / str(path).lstrip("/") if str(path).startswith("/sys/fs/cgroup") else path
+
+    monkeypatch.setattr(postmortem, "Path", host_view)
+    state = {
+        "cgroup": {
+            "version": 2,
+            "path": "/job.slice/run",
+            "oom_counter_file": str(tmp_path / "container-only" / "memory.events"),
+            "oom_kills": 2,
+        }
+    }
+    assert postmortem._cgroup_oom_kills_here(state) == 3
+
+
+HISTORY = "epoch,dice,hard_dice,loss,val_dice,val_hard_dice,val_loss\n0,0.2,0.2,1.0,0.3,0.3,1.0\n"
+
+
+def test_validate_says_the_stop_and_the_kill_on_its_way_out(tmp_path):
+    from bigmem_train.config import load_config
+    from bigmem_train.verdict.validate import evaluate
+
+    root = v2_layout(tmp_path / "host", oom_kill=2)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(load_config(None, {"training.epochs": 3}).to_yaml())
+    (run_dir / "history.csv").write_text(HISTORY)
+    (run_dir / "plan.json").write_text(json.dumps({"peak_bytes": 3 * GIB}))
+    values = dict.fromkeys(CSV_COLUMNS, 0)
+    values.update(time_unix=1.0, elapsed_s=1.0, rss_bytes=4 * GIB, charged_bytes=4 * GIB)
+    values.update(working_set_bytes=int(3.5 * GIB), usable_bytes=4 * GIB)
+    (run_dir / "memory.csv").write_text(
+        ",".join(CSV_COLUMNS) + "\n" + ",".join(str(values[name]) for name in CSV_COLUMNS) + "\n"
+    )
+    stop = "memory guard stopped the run at epoch 2, step 7"
+    state = {
+        **process_identity(),
+        "pid": _gone_pid(),
+        "host_oom_kills": None,
+        "stopped": "memory",
+        "leaving": True,
+        "message": stop,
+        "cgroup": _recorded_cgroup(find_memory_cgroup(root)),
+    }
+    set_state(run_dir, STOPPED, **state)
+    write(root, {"sys/fs/cgroup/job.slice/run/memory.events": "oom 4\noom_kill 3\n"})
+    finished = {criterion.name: criterion for criterion in evaluate(run_dir).criteria}["finished"]
+    assert not finished.passed
+    assert finished.detail == (
+        f"stopped by the memory guard, checkpoint saved: {stop}; then, on its way out, killed by the "
+        "out-of-memory killer at about 3.50 GiB (planned 3.00 GiB; cgroup v2 limit 4.00 GiB) "
+        "(cgroup v2 memory.events oom_kill went from 2 to 3 during the run)"
+    )
+    # Left cleanly: the stop alone.
+    set_state(run_dir, STOPPED, leaving=False)
+    finished = {criterion.name: criterion for criterion in evaluate(run_dir).criteria}["finished"]
+    assert finished.detail == f"stopped by the memory guard, checkpoint saved: {stop}"
