@@ -112,15 +112,16 @@ def _shape(text: str | None) -> tuple[int, int, int] | None:
 def predict_command(args: argparse.Namespace) -> int:
     from bigmem_train.host import read_cpu_flags
     from bigmem_train.infer.engine import check_precision, resolve_engine
-    from bigmem_train.infer.predict import PredictRequest, check_out_dir, plan_cases, predict
+    from bigmem_train.infer.predict import PredictRequest, check_outputs, plan_cases, predict
     from bigmem_train.infer.source import resolve_images, resolve_model
 
+    # The flags first (a second), then the model and the images' headers, then the outputs: all before
+    # planning, and planning before any image is read whole or the model is loaded.
     resolve_engine(args.engine)
     check_precision(args.precision, read_cpu_flags())
+    tile = _shape(args.tile)
     source = resolve_model(args.model, args.config)
     cases = resolve_images(args.data, args.subset)
-    tile = _shape(args.tile)
-    check_out_dir(Path(args.out))
     request = PredictRequest(
         source,
         cases,
@@ -132,6 +133,7 @@ def predict_command(args: argparse.Namespace) -> int:
         engine=args.engine,
         precision=args.precision,
     )
+    check_outputs(request)
     plans = plan_cases(request)
     for case in cases:
         print(f"bigmem-train: plan {plans[case.name].describe()}", flush=True)

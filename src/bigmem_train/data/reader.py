@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import sys
 import time
@@ -40,6 +41,8 @@ from bigmem_train.errors import BadInput
 _READ_ERRORS = (OSError, EOFError, zlib.error, ValueError, nib.filebasedimages.ImageFileError)
 # Decompression chunk for the completeness check: memory stays at this size whatever the volume.
 _STREAM_CHUNK_BYTES = 4 << 20
+# Deflate expands a byte to at most 1032 (its longest match per shortest code); rounded up.
+_MAX_DEFLATE_RATIO = 1100
 # Checking prints a progress line this often (seconds) while it runs.
 _PROGRESS_SECONDS = 5.0
 
@@ -71,12 +74,43 @@ def _case_name(path: Path) -> str:
     return name
 
 
+def _reason(error: BaseException) -> str:
+    """A library's error as one line (nibabel's span several): the CLI prints each error as one."""
+    return " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+
+
 def _load_header(path: Path) -> nib.Nifti1Image:
-    """Open a NIfTI file (header only; the data stays on disk behind ``dataobj``)."""
+    """Open a NIfTI file (header only; the data stays on disk behind ``dataobj``), refused when the file
+    is too small for the data its header announces (:func:`_check_size`)."""
     try:
-        return nib.load(path)
+        image = nib.load(path)
     except _READ_ERRORS as error:
-        raise BadInput(f"{path}: not a readable NIfTI file ({error})") from None
+        raise BadInput(f"{path}: not a readable NIfTI file ({_reason(error)})") from None
+    _check_size(path, image)
+    return image
+
+
+def _data_extent(image: nib.Nifti1Image) -> tuple[int, int]:
+    """(offset of the data in the file, bytes of data) as the header announces them."""
+    # The proxy's offset is where the data really starts (the header field may say 0 for a .nii).
+    offset = int(getattr(image.dataobj, "offset", image.header.get_data_offset()))
+    return offset, math.prod(int(edge) for edge in image.shape) * image.header.get_data_dtype().itemsize
+
+
+def _check_size(path: Path, image: nib.Nifti1Image) -> None:
+    """The cheap half of :func:`_check_complete`, from the file's size alone: a .nii must hold the data
+    its header announces, a .nii.gz at most what deflate can expand it to. A header that claims far more
+    than its file holds is a truncated (or damaged) file, not a volume to plan memory for."""
+    offset, data_bytes = _data_extent(image)
+    expected, size = offset + data_bytes, path.stat().st_size
+    if path.name.endswith(".gz"):
+        if size * _MAX_DEFLATE_RATIO < expected:
+            raise BadInput(
+                f"{path}: truncated: its header announces {data_bytes} bytes of data "
+                f"({'x'.join(map(str, image.shape))}), more than a gzip file of {size} bytes can hold"
+            )
+    elif size < expected:
+        raise BadInput(f"{path}: truncated: {size} bytes, the header needs {expected}")
 
 
 def _geometry(path: Path, image: nib.Nifti1Image) -> tuple[tuple[int, int, int], int]:
@@ -187,10 +221,8 @@ def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
     """Raise unless the file holds all the data its header announces and, for floating-point data, no
     value is NaN or infinite. The file is streamed in chunks (a .nii.gz is decompressed, not held), so
     memory stays at one chunk whatever the volume; an integer .nii is only measured."""
-    # The proxy's offset is where the data really starts (the header field may say 0 for a .nii).
-    offset = int(getattr(image.dataobj, "offset", image.header.get_data_offset()))
+    offset, data_bytes = _data_extent(image)
     dtype = image.header.get_data_dtype()
-    data_bytes = int(np.prod(image.shape)) * dtype.itemsize
     expected = offset + data_bytes
     scan_values = dtype.kind == "f"
     compressed = path.name.endswith(".gz")
@@ -214,24 +246,32 @@ def _check_complete(path: Path, image: nib.Nifti1Image) -> None:
                     total += read
         except (EOFError, OSError, zlib.error) as error:
             raise BadInput(
-                f"{path}: corrupt or truncated {'gzip stream' if compressed else 'file'} ({error})"
+                f"{path}: corrupt or truncated {'gzip stream' if compressed else 'file'} ({_reason(error)})"
             ) from None
         if total >= expected and nonfinite:
             raise BadInput(
                 f"{path}: {nonfinite} of {data_bytes // dtype.itemsize} voxel values are NaN or infinite; "
-                f"replace them (e.g. with 0, the background) before training"
+                "replace them (e.g. with 0, the background) first"
             )
     if total < expected:
         raise BadInput(f"{path}: truncated: {total} bytes of data, the header needs {expected}")
+
+
+def check_image_file(path: Path) -> nib.Nifti1Image:
+    """The image at ``path`` (header loaded), once it is known readable, of a real number type, whole and
+    finite: the file streamed to its end, so a .nii.gz's checksum is verified too (a damaged stream can
+    decompress to wrong values without an error until then)."""
+    image = _load_header(path)
+    check_real_type(path, image)
+    _check_complete(path, image)
+    return image
 
 
 def _check_case(case: Case, config: Config) -> Case:
     """Check one case's files against each other and the config; return it with its foreground counted."""
     image = _load_header(case.image)
     label = _load_header(case.label)
-    dtype = image.header.get_data_dtype()
-    if not (np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating)):
-        raise BadInput(f"{case.image}: image data type {dtype} is not a real number type")
+    check_real_type(case.image, image)
     label_shape = tuple(int(edge) for edge in label.shape)
     if len(label_shape) > 3 and all(edge == 1 for edge in label_shape[3:]):
         label_shape = label_shape[:3]
@@ -248,26 +288,13 @@ def _check_case(case: Case, config: Config) -> Case:
             f"{case.label}: voxel axes are oriented {label_orientation} but the image's are "
             f"{image_orientation} ({case.image}); resample the label onto the image's grid"
         )
-    channels = config.data.channels
-    if channels == "all":
-        if case.channels != config.num_channels:
-            raise BadInput(
-                f"{case.image}: has {case.channels} channel(s) but data.channels 'all' means "
-                f"{config.num_channels}; list the channels to use instead"
-            )
-    else:
-        missing = [index for index in channels if index >= case.channels]
-        if missing:
-            raise BadInput(
-                f"{case.image}: has {case.channels} channel(s) (indices 0..{case.channels - 1}); "
-                f"data.channels asks for {missing}"
-            )
+    check_channels(case.image, case.channels, config)
     _check_complete(case.image, image)
     _check_complete(case.label, label)
     try:
         values = np.asanyarray(label.dataobj)
     except _READ_ERRORS as error:
-        raise BadInput(f"{case.label}: cannot be read ({error})") from None
+        raise BadInput(f"{case.label}: cannot be read ({_reason(error)})") from None
     _check_label_values(case.label, values, config)
     centre = tuple(
         slice(start, start + length)
@@ -283,11 +310,47 @@ def _check_case(case: Case, config: Config) -> Case:
     )
 
 
+def check_real_type(path: Path, image: nib.Nifti1Image) -> None:
+    """An image's voxels must be real numbers (not complex, not RGB), from its header."""
+    dtype = image.header.get_data_dtype()
+    if not (np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating)):
+        raise BadInput(f"{path}: image data type {dtype} is not a real number type")
+
+
+def check_channels(path: Path, channels: int, config: Config) -> None:
+    """An image of ``channels`` channels must hold the ones the model reads: the indices of
+    ``data.channels``, or for "all" exactly the model's number of channels."""
+    wanted = config.data.channels
+    if wanted == "all":
+        if channels != config.num_channels:
+            raise BadInput(
+                f"{path}: has {channels} channel(s), but the model's data.channels 'all' reads "
+                f"{config.num_channels}; give images of {config.num_channels} channels (or list the channels)"
+            )
+    elif max(wanted) >= channels:
+        raise BadInput(
+            f"{path}: has {channels} channel(s), too few for the model's data.channels {wanted} "
+            f"(the image's indices are 0..{channels - 1})"
+        )
+
+
+def check_class_values(path: Path, values: np.ndarray) -> None:
+    """A label or a mask holds class indices: finite, non-negative integers (float storage allowed)."""
+    if values.dtype.kind == "f" and not np.all(np.isfinite(values)):
+        raise BadInput(f"{path}: holds NaN or infinite values, not class indices")
+    if values.size and values.min() < 0:
+        raise BadInput(f"{path}: holds negative values ({values.min():g}), not class indices")
+    if values.dtype.kind == "f":
+        fractional = values[values != np.rint(values)]
+        if fractional.size:
+            raise BadInput(
+                f"{path}: holds {fractional.size} non-integer value(s) (e.g. {fractional.flat[0]:g}), "
+                f"not class indices; a label or mask holds 0, 1, 2, ..."
+            )
+
+
 def _check_label_values(path: Path, values: np.ndarray, config: Config) -> None:
-    if not np.all(np.isfinite(values)):
-        raise BadInput(f"{path}: label holds NaN or infinite values")
-    if values.size and (values.min() < 0 or not np.array_equal(values, np.rint(values))):
-        raise BadInput(f"{path}: label values must be non-negative integers")
+    check_class_values(path, values)
     classes = config.model.output_classes
     if config.data.label_mode == "multiclass" and values.size and values.max() >= classes:
         raise BadInput(

@@ -9,6 +9,10 @@ optionally averaged over the 8 mirrorings (``--tta``), cropped back, thresholded
 hidden partial name and renamed: an interrupted predict leaves no file that looks finished, and a rerun
 skips the cases already written. ``predict.json``, rewritten after every case, records how many cases were
 asked for and each case's plan, time and the process's peak.
+
+Bad input is refused before the model loads (exit 2, one line): every header when the images are named
+(:mod:`.source`), every image to predict streamed once (whole, finite) after planning. A full output
+filesystem stops with exit 3 and leaves no partial file.
 """
 
 from __future__ import annotations
@@ -16,26 +20,33 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import resource
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import nibabel as nib
 import numpy as np
 
-from bigmem_train.data.prepare import channel_selection, prepare_image
-from bigmem_train.data.reader import _placement
-from bigmem_train.errors import BadInput, DoesNotFit
+from bigmem_train.data.prepare import prepare_image
+from bigmem_train.data.reader import _placement, check_channels, check_image_file
+from bigmem_train.errors import BadInput, BigmemError, DoesNotFit
 from bigmem_train.host import read_host_facts
 from bigmem_train.infer.engine import make_engine, resolve_engine
-from bigmem_train.infer.nifti import PARTIAL_PREFIX, like_source, output_path, write_atomically
+from bigmem_train.infer.nifti import (
+    check_out_dir,
+    like_source,
+    output_path,
+    write_atomically,
+    write_text_atomically,
+)
 from bigmem_train.infer.source import ImageCase, ModelSource
 from bigmem_train.memory.inference import InferencePlan, plan_volume, tile_starts
 from bigmem_train.memory.layers import layer_table
 from bigmem_train.sizes import format_bytes, parse_size
-from bigmem_train.verdict.rundir import write_json
 
 SUMMARY = "predict.json"
 PROBABILITIES_SUFFIX = "_probabilities"
@@ -59,15 +70,38 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Create ``out_dir`` and prove it writable, or BadInput naming it (before any model is loaded)."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f"{PARTIAL_PREFIX}write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise BadInput(f"--out {out_dir}: cannot be written ({error.strerror or error})") from None
+def check_outputs(request: PredictRequest) -> None:
+    """The output folder is writable and no output lands on an input or on another output: not the folder
+    of an image (a mask is named as its image: it would pass for a written case, or be read as an image
+    next time), and with ``--probabilities`` no case named as another's probabilities."""
+    out_dir = request.out_dir.resolve()
+    for case in request.cases:
+        if case.path.parent.resolve() == out_dir:
+            raise BadInput(
+                f"--out {request.out_dir}: is the folder of the image {case.path}; masks are named as their "
+                f"images, so give a folder of their own"
+            )
+    if request.probabilities:
+        names = {case.name: case for case in request.cases}
+        for case in request.cases:
+            other = names.get(case.name + PROBABILITIES_SUFFIX)
+            if other is not None:
+                raise BadInput(
+                    f"{case.path}: its probabilities would be written over the mask of {other.path} "
+                    f"({output_path(request.out_dir, other.name).name}); rename one of them"
+                )
+    check_out_dir(request.out_dir)
+
+
+def check_images(cases: list[ImageCase]) -> None:
+    """Each image streamed once, before the model loads: complete, of real numbers, finite (a few threads:
+    zlib decompresses outside the GIL); BadInput names the first bad one."""
+    if not cases:
+        return
+    workers = max(1, min(4, os.cpu_count() or 1, len(cases)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="check-images") as pool:
+        for _ in pool.map(check_image_file, [case.path for case in cases]):
+            pass
 
 
 def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
@@ -82,6 +116,8 @@ def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
         limit = parse_size(target, host.limit_total_bytes)
     except BadInput as error:
         raise BadInput(f"--target {target}: {error}") from None
+    if limit <= 0:
+        raise BadInput(f"--target {target}: give a size above 0, e.g. 8GiB or 50%")
     if limit > usable:
         raise DoesNotFit(
             f"--target {target} ({format_bytes(limit)}) is more than this host's usable memory "
@@ -91,15 +127,11 @@ def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
 
 
 def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
-    """Every case planned before the model is loaded; DoesNotFit (exit 3) when one cannot fit even in tiles."""
+    """Every case planned before the model is loaded; DoesNotFit (exit 3) when one cannot fit even in tiles
+    (after its file is checked: a header that claims more than its file holds is bad input, exit 2)."""
     config = request.source.config
     for case in request.cases:
-        wanted = channel_selection(config, case.channels)
-        if max(wanted) >= case.channels:
-            raise BadInput(
-                f"{case.path}: has {case.channels} channel(s), too few for the model's data.channels "
-                f"{config.data.channels}"
-            )
+        check_channels(case.path, case.channels, config)
     limit, _ = limit_for(request.target, config.footprint.safety_margin)
     if request.precision == "bfloat16":
         # The forward pass's tensors in bfloat16: the layer table of the job in mixed precision.
@@ -108,12 +140,16 @@ def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
         )
     table = layer_table(config)
     engine = resolve_engine(request.engine)
-    return {
-        case.name: plan_volume(
-            config, table, case.shape, case.channels, limit, request.tile, request.tta, engine
-        )
-        for case in request.cases
-    }
+    plans = {}
+    for case in request.cases:
+        try:
+            plans[case.name] = plan_volume(
+                config, table, case.shape, case.channels, limit, request.tile, request.tta, engine
+            )
+        except DoesNotFit:
+            check_image_file(case.path)
+            raise
+    return plans
 
 
 def gaussian_weights(window: tuple[int, int, int], sigma_scale: float = 1 / 8) -> np.ndarray:
@@ -192,9 +228,10 @@ def labels_from(probabilities: np.ndarray) -> np.ndarray:
 def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = None, engine=None) -> dict:
     """Predict every case not yet written; returns (and writes) the summary."""
     config = request.source.config
-    check_out_dir(request.out_dir)
+    check_outputs(request)
     plans = plans if plans is not None else plan_cases(request)
     todo = [case for case in request.cases if not output_path(request.out_dir, case.name).exists()]
+    check_images(todo)
     print(
         f"predict: {len(request.cases)} case(s), {len(request.cases) - len(todo)} already written; "
         f"model {request.source.model_path}",
@@ -216,7 +253,7 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
         }
     )
     # Written now and after every case: `remote status` reads how far a prediction is from it.
-    write_json(summary_path, summary)
+    _write_summary(summary_path, summary)
     if todo and engine is None:
         engine = make_engine(request.engine, request.source.model_path, request.precision)
     for number, case in enumerate(todo, start=1):
@@ -226,14 +263,18 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
         probabilities = predict_probabilities(engine, image, plan, request.tta)
         del image
         source = nib.load(case.path)
+        probabilities_path = output_path(request.out_dir, case.name, PROBABILITIES_SUFFIX)
         if request.probabilities:
+            write_atomically(like_source(source, probabilities, np.float32), probabilities_path)
+        try:
             write_atomically(
-                like_source(source, probabilities, np.float32),
-                output_path(request.out_dir, case.name, PROBABILITIES_SUFFIX),
+                like_source(source, labels_from(probabilities), np.uint8),
+                output_path(request.out_dir, case.name),
             )
-        write_atomically(
-            like_source(source, labels_from(probabilities), np.uint8), output_path(request.out_dir, case.name)
-        )
+        except BigmemError:
+            if request.probabilities:  # a case is its mask: no probabilities without it
+                probabilities_path.unlink(missing_ok=True)
+            raise
         del probabilities
         seconds = time.monotonic() - started
         summary["cases"][case.name] = {
@@ -249,7 +290,7 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
             "seconds": round(seconds, 3),
             "voxels_per_second": round(math.prod(case.shape) / seconds) if seconds > 0 else None,
         }
-        write_json(summary_path, summary)
+        _write_summary(summary_path, summary)
         print(
             f"predict: {number}/{len(todo)} {case.name} {'x'.join(map(str, case.shape))} {plan.mode}"
             f"{'' if plan.mode == 'whole' else ' ' + str(plan.tiles) + ' tiles'} in {seconds:.1f} s "
@@ -257,8 +298,12 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
             file=sys.stderr,
             flush=True,
         )
-    write_json(summary_path, summary)
+    _write_summary(summary_path, summary)
     return summary
+
+
+def _write_summary(path: Path, summary: dict) -> None:
+    write_text_atomically(path, json.dumps(summary, indent=2, default=str) + "\n")
 
 
 def _read_summary(path: Path) -> dict:

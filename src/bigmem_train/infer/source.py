@@ -11,10 +11,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import nibabel as nib
-
 from bigmem_train.config import Config, load_config
-from bigmem_train.data.reader import _READ_ERRORS, NIFTI_SUFFIXES, _case_name, _geometry
+from bigmem_train.data.reader import (
+    NIFTI_SUFFIXES,
+    _case_name,
+    _geometry,
+    _load_header,
+    _reason,
+    check_real_type,
+)
 from bigmem_train.errors import BadInput
 
 CHECKPOINTS = ("best.keras", "last.keras")
@@ -50,26 +55,48 @@ def _keras_model_config(path: Path) -> dict[str, Any]:
         raise BadInput(f"{path}: not a Keras model file (a .keras archive with a config.json)") from None
 
 
-def _model_io(path: Path, model_config: dict[str, Any]) -> tuple[int, int]:
-    """(input channels, output classes) of a saved U-Net, read from its config without Keras."""
+@dataclass(frozen=True)
+class Network:
+    """What a saved U-Net is, read from its ``.keras`` file: what a config must describe to plan for it."""
+
+    input_channels: int
+    depth: int
+    base_filters: int
+    output_classes: int
+
+
+def _network(path: Path, model_config: dict[str, Any]) -> Network:
+    """The saved U-Net's channels, depth (its poolings), base filters and classes, read without Keras."""
     try:
         layer_configs = model_config["config"]["layers"]
         inputs = [layer for layer in layer_configs if layer["class_name"] == "InputLayer"]
         channels = int(inputs[0]["config"]["batch_shape"][-1])
         outputs = model_config["config"]["output_layers"]  # ["name", 0, 0], or a list of those
         output_name = outputs[0] if isinstance(outputs[0], str) else outputs[0][0]
-        output = next(layer for layer in layer_configs if layer["config"]["name"] == output_name)
-        classes = int(output["config"]["filters"])
+        by_name = {layer["config"]["name"]: layer for layer in layer_configs}
+        classes = int(by_name[output_name]["config"]["filters"])
+        depth = sum(layer["class_name"] == "MaxPooling3D" for layer in layer_configs)
+        # The first layer with filters (layers are in graph order): the first level's first convolution,
+        # or its whole block when the model recomputes.
+        first = next(layer for layer in layer_configs if "filters" in layer["config"])
+        base_filters = int(first["config"]["filters"])
     except (KeyError, IndexError, TypeError, ValueError, StopIteration):
         raise BadInput(
-            f"{path}: a Keras model, but not one of the kit's U-Nets (no volume input or output)"
+            f"{path}: a Keras model, but not one of the kit's U-Nets (no volume input, levels or output)"
         ) from None
-    return channels, classes
+    return Network(channels, depth, base_filters, classes)
+
+
+def _config_network(config: Config) -> Network:
+    model = config.model
+    return Network(config.num_channels, model.depth, model.base_filters, model.output_classes)
 
 
 def resolve_model(spec: str | Path, config_path: str | Path | None = None) -> ModelSource:
     """``spec`` is a run directory (its best checkpoint, else its last, and its config.yaml) or a
-    ``.keras`` file (with the config.yaml of the run it is in, or ``config_path``)."""
+    ``.keras`` file (with the config.yaml of the run it is in, or ``config_path``: a file or a preset).
+    The config must describe the saved network (channels, depth, base filters, classes): predict plans,
+    pads and normalizes by it."""
     path = Path(spec)
     if path.is_dir():
         candidates = [path / "checkpoints" / name for name in CHECKPOINTS]
@@ -84,20 +111,29 @@ def resolve_model(spec: str | Path, config_path: str | Path | None = None) -> Mo
         run_config = path.parent.parent / "config.yaml" if path.parent.name == "checkpoints" else None
     else:
         raise BadInput(f"--model {spec}: does not exist")
-    chosen = Path(config_path) if config_path else run_config
-    if chosen is None or not chosen.is_file():
+    if config_path:
+        try:
+            config = load_config(config_path)
+        except BadInput as error:
+            raise BadInput(f"--config {config_path}: {error}") from None
+        chosen, named = Path(config_path), f"--config {config_path}"
+    elif run_config is not None and run_config.is_file():
+        config, chosen, named = load_config(run_config), run_config, str(run_config)
+    else:
         raise BadInput(
             f"--model {spec}: no config.yaml of the run it was trained in; pass --config with the job's config"
         )
-    config = load_config(chosen)
-    channels, classes = _model_io(model_path, _keras_model_config(model_path))
-    if channels != config.num_channels or classes != config.model.output_classes:
+    network = _network(model_path, _keras_model_config(model_path))
+    described = _config_network(config)
+    if network != described:
         raise BadInput(
-            f"{model_path}: the model reads {channels} channel(s) and predicts {classes} class(es), but "
-            f"{chosen} says data.channels {config.data.channels} and model.output_classes "
-            f"{config.model.output_classes}: the model and its config do not belong together"
+            f"{model_path}: the model reads {network.input_channels} channel(s) and predicts "
+            f"{network.output_classes} class(es), but {named} says {described.input_channels} channel(s) "
+            f"(data.channels {config.data.channels}) and {described.output_classes} class(es); the model "
+            f"has depth {network.depth} and {network.base_filters} base filters, the config depth "
+            f"{described.depth} and {described.base_filters}: the model and the config do not belong together"
         )
-    return ModelSource(model_path, config, chosen, channels, classes)
+    return ModelSource(model_path, config, chosen, network.input_channels, network.output_classes)
 
 
 def _nifti_files(folder: Path) -> list[Path]:
@@ -109,7 +145,7 @@ def _listed_images(dataset_dir: Path, subset: str) -> list[Path]:
     try:
         index = json.loads((dataset_dir / "dataset.json").read_text())
     except (OSError, ValueError) as error:
-        raise BadInput(f"{dataset_dir / 'dataset.json'}: cannot be read ({error})") from None
+        raise BadInput(f"{dataset_dir / 'dataset.json'}: cannot be read ({_reason(error)})") from None
     entries = index.get(subset)
     if not isinstance(entries, list) or not entries:
         raise BadInput(f"{dataset_dir / 'dataset.json'} lists no {subset!r} images")
@@ -126,8 +162,8 @@ def _listed_images(dataset_dir: Path, subset: str) -> list[Path]:
 
 def resolve_images(specs: list[str], subset: str = "test") -> list[ImageCase]:
     """The images named on the command line: NIfTI files, folders of them, or a Decathlon folder (its
-    dataset.json's ``subset`` list). Each header is read; unreadable files and names given twice are
-    refused (their outputs would overwrite each other)."""
+    dataset.json's ``subset`` list). Each header is read; unreadable files, files smaller than their header
+    says, and names given twice are refused (their outputs would overwrite each other)."""
     paths: list[Path] = []
     for spec in specs:
         path = Path(spec)
@@ -146,10 +182,8 @@ def resolve_images(specs: list[str], subset: str = "test") -> list[ImageCase]:
     for path in paths:
         if not path.is_file():
             raise BadInput(f"{path}: listed but does not exist")
-        try:
-            image = nib.load(path)
-        except _READ_ERRORS as error:
-            raise BadInput(f"{path}: not a readable NIfTI file ({error})") from None
+        image = _load_header(path)
+        check_real_type(path, image)
         shape, channels = _geometry(path, image)
         name = _case_name(path)
         if name in cases:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -29,8 +31,19 @@ from typing import Any
 import nibabel as nib
 import numpy as np
 
-from bigmem_train.data.reader import _READ_ERRORS, NIFTI_SUFFIXES, _case_name, _orientation
-from bigmem_train.errors import BadInput
+from bigmem_train.data.reader import (
+    _READ_ERRORS,
+    NIFTI_SUFFIXES,
+    _case_name,
+    _check_complete,
+    _load_header,
+    _orientation,
+    _reason,
+    check_class_values,
+    check_real_type,
+)
+from bigmem_train.errors import BadInput, DoesNotFit
+from bigmem_train.infer.nifti import PARTIAL_PREFIX, check_out_dir, write_error
 
 # The Decathlon's Task01 (BraTS) label values and the regions the challenge reports.
 BRATS_CLASSES = {1: "edema", 2: "non-enhancing tumour", 3: "enhancing tumour"}
@@ -153,36 +166,60 @@ def _nifti_files(folder: Path) -> dict[str, Path]:
 
 
 def _load_volume(path: Path) -> tuple[nib.Nifti1Image, np.ndarray]:
-    try:
-        image = nib.load(path)
-        data = np.asanyarray(image.dataobj)
-    except _READ_ERRORS as error:
-        raise BadInput(f"{path}: not a readable NIfTI file ({error})") from None
-    while data.ndim > 3 and data.shape[-1] == 1:
-        data = data[..., 0]
-    if data.ndim != 3:
+    """A mask or label as (X, Y, Z) class indices, or BadInput naming the file: unreadable, damaged or
+    truncated (streamed once to its end), not 3D, values that are not class indices, voxel sizes that
+    are not positive."""
+    image = _load_header(path)
+    check_real_type(path, image)
+    shape = tuple(int(edge) for edge in image.shape)
+    while len(shape) > 3 and shape[-1] == 1:
+        shape = shape[:-1]
+    if len(shape) != 3:
         raise BadInput(f"{path}: a mask must be 3D, got shape {list(image.shape)}")
-    if not np.issubdtype(data.dtype, np.integer):
-        if not np.isfinite(data).all():
-            raise BadInput(f"{path}: holds NaN or infinite values")
-        data = np.rint(data)
-    if data.size and data.min() < 0:
-        raise BadInput(f"{path}: negative values are not classes")
+    spacing = image.header.get_zooms()[:3]
+    if not all(math.isfinite(step) and step > 0 for step in spacing):
+        raise BadInput(
+            f"{path}: voxel sizes {[float(step) for step in spacing]} in its header are not all positive; "
+            f"HD95 and volumes are in millimetres"
+        )
+    _check_complete(path, image)
+    try:
+        data = np.asanyarray(image.dataobj).reshape(shape)
+    except _READ_ERRORS as error:
+        raise BadInput(f"{path}: not a readable NIfTI file ({_reason(error)})") from None
+    except MemoryError:
+        raise DoesNotFit(
+            f"{path}: a {'x'.join(map(str, shape))} volume does not fit this host's memory to be scored"
+        ) from None
+    check_class_values(path, data)
     return image, data.astype(np.int32)
 
 
 def pair_cases(pred_dir: Path, labels_dir: Path) -> list[tuple[str, Path, Path]]:
     """(case, prediction, label) for every prediction in ``pred_dir``; BadInput for a missing label."""
     for flag, folder in (("--pred", pred_dir), ("--labels", labels_dir)):
+        if not folder.exists():
+            raise BadInput(f"{flag} {folder}: does not exist")
         if not folder.is_dir():
             raise BadInput(f"{flag} {folder}: not a folder")
+    if pred_dir.resolve() == labels_dir.resolve():
+        raise BadInput(
+            f"--pred {pred_dir} and --labels {labels_dir} are the same folder: every mask would be scored "
+            f"against itself"
+        )
     predictions, labels = _nifti_files(pred_dir), _nifti_files(labels_dir)
     if not predictions:
         raise BadInput(f"--pred {pred_dir}: no .nii or .nii.gz masks in it")
+    if not labels:
+        raise BadInput(f"--labels {labels_dir}: no .nii or .nii.gz labels in it")
     missing = [name for name in predictions if name not in labels]
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise BadInput(f"--labels {labels_dir}: no label for {len(missing)} predicted case(s): {shown}")
+        named = ", ".join(list(labels)[:3]) + (", ..." if len(labels) > 3 else "")
+        raise BadInput(
+            f"--labels {labels_dir}: no label for {len(missing)} predicted case(s): {shown} "
+            f"(labels are matched by file name; these are named {named})"
+        )
     return [(name, path, labels[name]) for name, path in predictions.items()]
 
 
@@ -196,6 +233,8 @@ def _prediction_meta(pred_dir: Path) -> dict[str, Any]:
 def evaluate_folders(pred_dir: Path, labels_dir: Path, out_dir: Path | None = None) -> dict[str, Any]:
     """Score every prediction in ``pred_dir`` against its label; write evaluation.{json,csv,html,png}."""
     pairs = pair_cases(pred_dir, labels_dir)
+    # Before any case is scored, and without creating it: a refused evaluation leaves nothing behind.
+    check_out_dir(out_dir or pred_dir, "--out" if out_dir else "--pred", create=False)
     return evaluate_pairs(
         pairs, _prediction_meta(pred_dir), out_dir or pred_dir, str(pred_dir), str(labels_dir)
     )
@@ -297,12 +336,27 @@ def summarize(scores: list[Score], order: list[str]) -> dict[str, Any]:
 
 
 def write_results(result: dict[str, Any], scores: list[Score], out_dir: Path) -> None:
+    """evaluation.{json,csv,html,png}, written in a hidden folder inside ``out_dir`` and then moved in: a
+    write that fails (a full filesystem: exit 3) leaves no partial file and the previous results whole."""
     from bigmem_train.verdict.evaluation_report import write_evaluation_html
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
-    with (out_dir / "evaluation.csv").open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(result["cases"][0]) if result["cases"] else ["case"])
-        writer.writeheader()
-        writer.writerows(result["cases"])
-    write_evaluation_html(result, out_dir)
+    staging = out_dir / f"{PARTIAL_PREFIX}evaluation"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        (staging / "evaluation.json").write_text(json.dumps(result, indent=2) + "\n")
+        with (staging / "evaluation.csv").open("w", newline="") as file:
+            writer = csv.DictWriter(
+                file, fieldnames=list(result["cases"][0]) if result["cases"] else ["case"]
+            )
+            writer.writeheader()
+            writer.writerows(result["cases"])
+        write_evaluation_html(result, staging)
+        for name in RESULT_FILES:
+            if (staging / name).is_file():
+                os.replace(staging / name, out_dir / name)
+    except OSError as error:
+        raise write_error(out_dir / Path(error.filename).name if error.filename else out_dir, error) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
