@@ -171,8 +171,8 @@ class RuntimeConfig(_Section):
         ge=1,
         le=4096,
         description="Threads inside one op; null = the host's physical cores (or those of the bound NUMA node): "
-        "at the study's tile one intra-op thread took 26.8 s a step against 21.0 s with two "
-        "(docs/results/performance.md, section 1).",
+        "at the study's tile on a 2-vCPU EPYC one intra-op thread took 26.8 s a step against 21.0 s with two "
+        "(docs/results/performance.md, 'On the EPYC').",
     )
     inter_op_threads: int | None = Field(
         None,
@@ -180,7 +180,7 @@ class RuntimeConfig(_Section):
         le=64,
         description="Ops run side by side by a multi-worker job (or a single-host one with inline_ops off); "
         "null = chosen for the host: TensorFlow's default pool of 2 took 23.5 s a step at the tile against "
-        "21.0 s with the ops inline (docs/results/performance.md, section 1).",
+        "21.0 s with the ops inline (docs/results/performance.md, 'On the EPYC').",
     )
     inline_ops: bool = Field(
         True,
@@ -193,13 +193,13 @@ class RuntimeConfig(_Section):
         "float32",
         description="'mixed_bfloat16' (Keras mixed precision) changes the arithmetic for speed and memory where "
         "the CPU has native bfloat16: at the study's tile on an AMX Xeon 0.57x the float32 step and 7,375 "
-        "against 8,394 MiB (docs/design/planner.md, levers).",
+        "against 8,394 MiB (docs/results/performance.md, 'What each lever costs or saves').",
     )
     allocator: Literal["glibc", "jemalloc", "tcmalloc"] = Field(
         "tcmalloc",
         description="Memory allocator preloaded by the container entrypoint and the CLI's launcher "
-        "(LD_PRELOAD): tcmalloc took 21.0 s a step at the tile and peaked at 10.9 GiB, glibc 31.5 s and "
-        "11.7 GiB (docs/results/performance.md, section 1); the others are for hosts without it.",
+        "(LD_PRELOAD): tcmalloc took 21.0 s a step at the tile and peaked at 10.7 GiB, glibc 31.5 s and "
+        "11.5 GiB (docs/results/performance.md, 'On the EPYC'); the others are for hosts without it.",
     )
     tensor_allocator: Literal["system", "bfc"] = Field(
         "system",
@@ -213,7 +213,7 @@ class RuntimeConfig(_Section):
         True,
         description="oneDNN kernels (TF_ENABLE_ONEDNN_OPTS, set before TensorFlow is imported): stock "
         "TensorFlow turns them on only for CPUs with AVX512_VNNI/BF16 or AMX, and on AVX2 runs Eigen's "
-        "convolutions, 3-4x slower for this model (docs/results/performance.md).",
+        "convolutions, 3-4x slower for this model (docs/design/performance.md, 'The runtime around the ops').",
     )
     numa_policy: Literal["auto", "bind", "interleave", "none"] = Field(
         "auto",
@@ -236,8 +236,9 @@ class FootprintConfig(_Section):
         gt=0.0,
         lt=1.0,
         description="Allowed relative distance of the measured peak from the target: the same job's peak parts "
-        "from run to run by up to a tenth for large plain jobs (176x176x128 b3: 11.11 and 12.30 GiB). The plan "
-        "criterion has its own bounds: a run may end at most 3 % above its plan (docs/design/planner.md, "
+        "from run to run by up to a tenth for large plain jobs (176x176x128 batch 3: 11.150 to 12.335 GiB in three "
+        "runs, docs/results/planner-accuracy.md). The plan criterion has its own bounds: a run may end at most "
+        "3 % above its plan (docs/design/planner.md, "
         '"The plan is an envelope").',
     )
     safety_margin: float = Field(
@@ -245,8 +246,8 @@ class FootprintConfig(_Section):
         ge=0.0,
         lt=1.0,
         description="Share of available memory kept free when deciding whether a plan fits: the plan is the "
-        "upper envelope of a job's runs, and a rare run of a recomputed job has ended 15 % above it "
-        "(docs/results/planner-accuracy.md).",
+        "upper envelope of a job's runs, and a run may still end up to 3 % above it (none of the 78 scored "
+        "runs did; docs/results/planner-accuracy.md).",
     )
     resize: Literal["batch", "shape", "both"] = Field(
         "both",
@@ -257,8 +258,8 @@ class FootprintConfig(_Section):
         "off",
         description="'auto': when the job as configured misses its target (or the host's memory), apply the "
         "cheapest lever that keeps its batch and shape before resizing: gradient recomputation held the "
-        "study's tile at 7,686 against 8,394 MiB for 1.47x the step (docs/design/planner.md, levers); 'off': only "
-        "resize.",
+        "study's tile at 7,686 against 8,394 MiB for 1.47x the step on an AMX Xeon (docs/results/performance.md, "
+        "'What each lever costs or saves'); 'off': only resize.",
     )
 
     @field_validator("levers", mode="before")
