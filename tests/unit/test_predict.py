@@ -303,3 +303,83 @@ def test_engine_and_precision_are_checked_before_anything_runs(run_dir, tmp_path
     assert "OpenVINO is not installed" in capsys.readouterr().err
     assert engine.resolve_engine("auto") == "tensorflow"
     assert not (tmp_path / "o").exists()
+
+
+def _decathlon(folder, names, test=()):
+    """A Decathlon folder of ``names`` (training, with labels) and ``test`` images."""
+    (folder / "imagesTr").mkdir(parents=True)
+    (folder / "imagesTs").mkdir()
+    for index, name in enumerate([*names, *test]):
+        _image(
+            folder / ("imagesTs" if name in test else "imagesTr") / f"{name}.nii.gz", (16, 16, 12), seed=index
+        )
+    index = {
+        "training": [
+            {"image": f"./imagesTr/{name}.nii.gz", "label": f"./labelsTr/{name}.nii.gz"} for name in names
+        ],
+        "test": [f"./imagesTs/{name}.nii.gz" for name in test],
+    }
+    (folder / "dataset.json").write_text(json.dumps(index))
+    return folder
+
+
+def test_subset_validation_takes_the_runs_own_validation_cases(run_dir, tmp_path):
+    dataset = _decathlon(tmp_path / "Task", ["c1", "c2", "c3", "c4"], test=["t1"])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text((run_dir / "config.yaml").read_text())
+    (run / "checkpoints").symlink_to(run_dir / "checkpoints")
+    (run / "split.json").write_text(json.dumps({"train": ["c1", "c3"], "validation": ["c4", "c2"]}))
+    source = resolve_model(run)
+    from bigmem_train.infer.source import validation_names
+
+    names = validation_names(source)
+    assert names == {"c2", "c4"}
+    assert sorted(case.name for case in resolve_images([str(dataset)], "validation", names)) == ["c2", "c4"]
+    assert [case.name for case in resolve_images([str(dataset)])] == ["t1"]
+    # A dataset without the run's cases, and a model without its run, are refused naming the problem.
+    other = _decathlon(tmp_path / "Other", ["c1", "c9"])
+    with pytest.raises(BadInput, match=r"lacks 2 of the run's validation case\(s\) \(c2, c4\)"):
+        resolve_images([str(other)], "validation", names)
+    with pytest.raises(BadInput, match="needs the run the model was trained in"):
+        validation_names(resolve_model(run_dir))
+
+
+def test_a_dataset_without_a_test_list_says_what_to_predict_instead(tmp_path):
+    dataset = _decathlon(tmp_path / "Task", ["c1", "c2"])
+    with pytest.raises(
+        BadInput, match="lists no 'test' images: predict its labelled cases with --subset training"
+    ):
+        resolve_images([str(dataset)])
+
+
+# OpenVINO's conversion child measured with `/usr/bin/time -v python -m bigmem_train.infer.engine --convert
+# MODEL.keras OUT/model.xml` (EPYC, 2 cores): (parameters, maximum resident set in KiB) of the study's U-Net
+# (depth 4, 16 filters, 1 channel) and of one with 32 filters and 4 channels.
+CONVERSION_MEASURED = [(5_649_329, 773_496), (22_586_753, 1_102_320)]
+
+
+def test_the_conversion_is_planned_as_the_envelope_of_its_measured_peaks():
+    from bigmem_train.memory.inference import ENGINE_CONSTANTS, conversion_peak_bytes
+
+    for parameters, kib in CONVERSION_MEASURED:
+        table = [{"trainable_params": parameters, "non_trainable_params": 0}]
+        child = conversion_peak_bytes(table) - ENGINE_CONSTANTS["openvino"][0]
+        assert kib * 1024 <= child <= 1.05 * kib * 1024
+    # 0.64 GiB, 5 bytes per parameter byte, and the waiting predict process's own baseline.
+    table = [{"trainable_params": 1000, "non_trainable_params": 24}]
+    assert conversion_peak_bytes(table) == int(0.64 * 2**30) + 5 * 4 * 1024 + int(0.156 * 2**30)
+
+
+def test_predict_reports_openvinos_conversion_beside_its_plan(run_dir, tmp_path, monkeypatch):
+    pytest.importorskip("openvino")
+    monkeypatch.setenv("BIGMEM_CACHE_DIR", str(tmp_path / "cache"))
+    images = tmp_path / "images"
+    images.mkdir()
+    _image(images / "one.nii.gz", (16, 16, 12))
+    source, cases = resolve_model(run_dir), resolve_images([str(images)])
+    first = predict(PredictRequest(source, cases, tmp_path / "first", engine="openvino"))["conversion"]
+    assert first["cached"] is False and first["seconds"] > 0
+    assert 0.3 * 2**30 < first["peak_rss_bytes"] < first["planned_peak_bytes"]
+    again = predict(PredictRequest(source, cases, tmp_path / "again", engine="openvino"))["conversion"]
+    assert again == {"planned_peak_bytes": first["planned_peak_bytes"], "cached": True}

@@ -52,9 +52,10 @@ def add_predict_options(parser: argparse.ArgumentParser) -> None:
     (:func:`predict_option_flags`)."""
     parser.add_argument(
         "--subset",
-        choices=["test", "training"],
+        choices=["test", "training", "validation"],
         default="test",
-        help="which list of a Decathlon dataset.json to predict (default test)",
+        help="which cases of a Decathlon dataset.json to predict: its test or training list, or the "
+        "validation cases of the run --model was trained in (default test)",
     )
     parser.add_argument("--tta", action="store_true", help="average over the 8 mirrorings (8x the time)")
     parser.add_argument(
@@ -112,8 +113,14 @@ def _shape(text: str | None) -> tuple[int, int, int] | None:
 def predict_command(args: argparse.Namespace) -> int:
     from bigmem_train.host import read_cpu_flags
     from bigmem_train.infer.engine import check_precision, resolve_engine
-    from bigmem_train.infer.predict import PredictRequest, check_outputs, plan_cases, predict
-    from bigmem_train.infer.source import resolve_images, resolve_model
+    from bigmem_train.infer.predict import (
+        PredictRequest,
+        check_outputs,
+        plan_cases,
+        planned_conversion_bytes,
+        predict,
+    )
+    from bigmem_train.infer.source import resolve_images, resolve_model, validation_names
 
     # The flags first (a second), then the model and the images' headers, then the outputs: all before
     # planning, and planning before any image is read whole or the model is loaded.
@@ -121,7 +128,8 @@ def predict_command(args: argparse.Namespace) -> int:
     check_precision(args.precision, read_cpu_flags())
     tile = _shape(args.tile)
     source = resolve_model(args.model, args.config)
-    cases = resolve_images(args.data, args.subset)
+    only = validation_names(source) if args.subset == "validation" else None
+    cases = resolve_images(args.data, args.subset, only)
     request = PredictRequest(
         source,
         cases,
@@ -137,6 +145,12 @@ def predict_command(args: argparse.Namespace) -> int:
     plans = plan_cases(request)
     for case in cases:
         print(f"bigmem-train: plan {plans[case.name].describe()}", flush=True)
+    if resolve_engine(args.engine) == "openvino":
+        print(
+            "bigmem-train: plan OpenVINO's one-time conversion of the model (skipped when cached): "
+            f"{format_bytes(planned_conversion_bytes(source))}",
+            flush=True,
+        )
     if args.plan:
         return EXIT_PASS
     summary = predict(request, plans)

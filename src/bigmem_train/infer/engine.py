@@ -23,6 +23,8 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -120,9 +122,14 @@ class OpenVINOEngine:
         import openvino as ov
 
         self._core = ov.Core()
-        self._model = self._core.read_model(converted_model(model_path))
+        # How the one-time conversion went (None: the converted model came from the cache).
+        self.conversion: dict | None = None
+        self._model = self._core.read_model(converted_model(model_path, self._conversion_done))
         self._hint = {"INFERENCE_PRECISION_HINT": "bf16" if precision == "bfloat16" else "f32"}
         self._compiled: dict[tuple[int, ...], object] = {}
+
+    def _conversion_done(self, record: dict) -> None:
+        self.conversion = record
 
     def __call__(self, volume: np.ndarray) -> np.ndarray:
         compiled = self._compiled.get(volume.shape)
@@ -143,10 +150,11 @@ def _file_digest(path: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def converted_model(model_path: Path) -> Path:
+def converted_model(model_path: Path, converted: Callable[[dict], None] | None = None) -> Path:
     """OpenVINO's model.xml for a ``.keras`` file: from the cache, else converted by a child process (which
-    imports TensorFlow; this one does not). The cache is under ``cache_dir()/openvino``, or a temporary
-    folder where that cannot be written (a read-only container)."""
+    imports TensorFlow; this one does not), whose peak resident set and time are handed to ``converted``.
+    The cache is under ``cache_dir()/openvino``, or a temporary folder where that cannot be written (a
+    read-only container)."""
     from bigmem_train.memory.layers import cache_dir
 
     digest = _file_digest(model_path)
@@ -158,6 +166,8 @@ def converted_model(model_path: Path) -> Path:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError:
             continue
+        print("predict: converting the model for OpenVINO (once per model)", file=sys.stderr, flush=True)
+        started = time.monotonic()
         result = subprocess.run(
             [sys.executable, "-m", "bigmem_train.infer.engine", "--convert", str(model_path), str(target)],
             capture_output=True,
@@ -165,6 +175,15 @@ def converted_model(model_path: Path) -> Path:
             env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
         )
         if result.returncode == 0 and target.is_file():
+            peaks = [
+                line.split()[1] for line in result.stdout.splitlines() if line.startswith("peak_rss_bytes ")
+            ]
+            record = {
+                "peak_rss_bytes": int(peaks[-1]) if peaks else None,
+                "seconds": round(time.monotonic() - started, 1),
+            }
+            if converted is not None:
+                converted(record)
             return target
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         if lines and lines[-1].startswith("BadInput: "):
@@ -203,5 +222,11 @@ if __name__ == "__main__":
             _convert(Path(sys.argv[2]), Path(sys.argv[3]))
         except BadInput as error:
             sys.exit(f"BadInput: {error}")
+        # The conversion's own peak, for predict.json: VmHWM, the high-water mark of this process's memory
+        # since its exec (getrusage's ru_maxrss keeps the parent's when it is larger).
+        status = Path("/proc/self/status").read_text()
+        peak = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
+        if peak is not None:
+            print(f"peak_rss_bytes {int(peak) * 1024}", flush=True)
     else:
         sys.exit("usage: python -m bigmem_train.infer.engine --convert MODEL.keras OUT/model.xml")

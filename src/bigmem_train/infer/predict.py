@@ -44,7 +44,7 @@ from bigmem_train.infer.nifti import (
     write_text_atomically,
 )
 from bigmem_train.infer.source import ImageCase, ModelSource
-from bigmem_train.memory.inference import InferencePlan, plan_volume, tile_starts
+from bigmem_train.memory.inference import InferencePlan, conversion_peak_bytes, plan_volume, tile_starts
 from bigmem_train.memory.layers import layer_table
 from bigmem_train.sizes import format_bytes, parse_size
 
@@ -149,7 +149,19 @@ def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
         except DoesNotFit:
             check_image_file(case.path)
             raise
+    if engine == "openvino":
+        conversion = planned_conversion_bytes(request.source)
+        if conversion > limit:
+            raise DoesNotFit(
+                f"OpenVINO's one-time conversion of the model needs about {format_bytes(conversion)}, more "
+                f"than the {format_bytes(limit)} planned for: use --engine tensorflow"
+            )
     return plans
+
+
+def planned_conversion_bytes(source: ModelSource) -> int:
+    """The host's peak while OpenVINO converts the model (float32, once per model; memory/inference.py)."""
+    return conversion_peak_bytes(layer_table(source.config))
 
 
 def gaussian_weights(window: tuple[int, int, int], sigma_scale: float = 1 / 8) -> np.ndarray:
@@ -256,6 +268,9 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
     _write_summary(summary_path, summary)
     if todo and engine is None:
         engine = make_engine(request.engine, request.source.model_path, request.precision)
+        if getattr(engine, "name", None) == "openvino":
+            summary["conversion"] = _conversion_record(engine, request.source)
+            _write_summary(summary_path, summary)
     for number, case in enumerate(todo, start=1):
         plan = plans[case.name]
         started = time.monotonic()
@@ -304,6 +319,24 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
 
 def _write_summary(path: Path, summary: dict) -> None:
     write_text_atomically(path, json.dumps(summary, indent=2, default=str) + "\n")
+
+
+def _conversion_record(engine, source: ModelSource) -> dict:
+    """OpenVINO's conversion of the model, planned and (when it ran now, not from the cache) measured."""
+    planned = planned_conversion_bytes(source)
+    done = engine.conversion
+    record = {"planned_peak_bytes": planned, "cached": done is None}
+    if done is not None:
+        record.update(done)
+        measured = done.get("peak_rss_bytes")
+        print(
+            f"predict: converted for OpenVINO in {done['seconds']:.1f} s: child peak "
+            f"{format_bytes(measured) if measured else 'not reported'} (planned with this process "
+            f"{format_bytes(planned)})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return record
 
 
 def _read_summary(path: Path) -> dict:

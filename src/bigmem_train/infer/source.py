@@ -148,7 +148,13 @@ def _listed_images(dataset_dir: Path, subset: str) -> list[Path]:
         raise BadInput(f"{dataset_dir / 'dataset.json'}: cannot be read ({_reason(error)})") from None
     entries = index.get(subset)
     if not isinstance(entries, list) or not entries:
-        raise BadInput(f"{dataset_dir / 'dataset.json'} lists no {subset!r} images")
+        hint = (
+            ": predict its labelled cases with --subset training, or the model's own validation cases with "
+            "--subset validation"
+            if subset == "test"
+            else ""
+        )
+        raise BadInput(f"{dataset_dir / 'dataset.json'} lists no {subset!r} images{hint}")
     paths = []
     for entry in entries:
         relative = entry["image"] if isinstance(entry, dict) and "image" in entry else entry
@@ -160,15 +166,50 @@ def _listed_images(dataset_dir: Path, subset: str) -> list[Path]:
     return paths
 
 
-def resolve_images(specs: list[str], subset: str = "test") -> list[ImageCase]:
+def validation_names(source: ModelSource) -> set[str]:
+    """The validation cases of the run the model was trained in (its split.json, beside its config.yaml)."""
+    split_path = source.config_path.parent / "split.json"
+    try:
+        names = json.loads(split_path.read_text())["validation"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise BadInput(
+            f"--subset validation: needs the run the model was trained in (its split.json); "
+            f"{split_path} cannot be read: give --model a run directory"
+        ) from None
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
+        raise BadInput(f"--subset validation: {split_path} lists no validation cases")
+    return set(names)
+
+
+def _only_cases(paths: list[Path], names: set[str], spec: str) -> list[Path]:
+    """The images among ``paths`` of the cases ``names``; BadInput naming the cases the dataset lacks."""
+    chosen = [path for path in paths if _case_name(path) in names]
+    missing = sorted(names - {_case_name(path) for path in chosen})
+    if missing:
+        raise BadInput(
+            f"--data {spec}: its training list lacks {len(missing)} of the run's validation case(s) "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): is it the dataset the run trained on?"
+        )
+    return chosen
+
+
+def resolve_images(specs: list[str], subset: str = "test", only: set[str] | None = None) -> list[ImageCase]:
     """The images named on the command line: NIfTI files, folders of them, or a Decathlon folder (its
-    dataset.json's ``subset`` list). Each header is read; unreadable files, files smaller than their header
-    says, and names given twice are refused (their outputs would overwrite each other)."""
+    dataset.json's ``subset`` list; with ``only``, the training list's cases of those names: a run's
+    validation cases). Each header is read; unreadable files, files smaller than their header says, and names
+    given twice are refused (their outputs would overwrite each other)."""
     paths: list[Path] = []
     for spec in specs:
         path = Path(spec)
+        if only is not None and not (path / "dataset.json").is_file():
+            raise BadInput(f"--subset validation: --data {spec} is not a Decathlon folder (no dataset.json)")
         if path.is_dir():
-            found = _listed_images(path, subset) if (path / "dataset.json").is_file() else _nifti_files(path)
+            if (path / "dataset.json").is_file() and only is not None:
+                found = _only_cases(_listed_images(path, "training"), only, spec)
+            elif (path / "dataset.json").is_file():
+                found = _listed_images(path, subset)
+            else:
+                found = _nifti_files(path)
             if not found:
                 raise BadInput(f"--data {spec}: a folder without .nii or .nii.gz images")
             paths.extend(found)
