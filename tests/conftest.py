@@ -9,5 +9,6 @@ pytest_plugins = [
     "tests.fixtures.common",
     "tests.fixtures.docker_daemon",
     "tests.fixtures.lab",
+    "tests.fixtures.slurm",
     "tests.fixtures.sshd",
 ]

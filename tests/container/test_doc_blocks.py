@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.doc_blocks import REPO, blocks_for, run_block
+from tests.fixtures.doc_blocks import REPO, blocks_for, run_block, with_test_list
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 
@@ -33,6 +33,7 @@ def test_the_container_blocks_run_as_written(bigmem_image):
     scratch = Path(tempfile.mkdtemp(prefix="bigmem-doc-blocks-"))
     scratch.chmod(0o755)
     dataset = write_synthetic_dataset(scratch / "msd" / "Task01_BrainTumour", 8, (56, 56, 40), seed=11)
+    with_test_list(dataset)
     paths = {
         "/srv/Task01_BrainTumour": str(dataset),
         "/srv/msd": str(scratch / "msd"),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.doc_blocks import REPO, blocks_for, run_block
+from tests.fixtures.doc_blocks import REPO, blocks_for, run_block, with_test_list
 
 pytestmark = pytest.mark.slow
 
@@ -32,16 +32,8 @@ def user_folder(folder: Path) -> dict[str, str]:
     from bigmem_train.data.synth import write_synthetic_dataset
 
     dataset = write_synthetic_dataset(folder / "data" / "Task01_BrainTumour", 10, (56, 56, 40), seed=7)
+    with_test_list(dataset)
     index = json.loads((dataset / "dataset.json").read_text())
-    # The real Task01 lists unlabelled test images (imagesTs); two training cases play them here.
-    (dataset / "imagesTs").mkdir(exist_ok=True)
-    test = []
-    for case in index["training"][-2:]:
-        name = Path(case["image"]).name
-        shutil.copy(dataset / case["image"], dataset / "imagesTs" / name)
-        test.append(f"./imagesTs/{name}")
-    index["test"], index["numTest"] = test, len(test)
-    (dataset / "dataset.json").write_text(json.dumps(index, indent=1))
     for kind, source in (("new-scans", "imagesTr"), ("new-labels", "labelsTr")):
         (folder / "data" / kind).mkdir()
         for case in index["training"][:3]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -152,6 +153,28 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     render.add_argument("--list", action="store_true", help="list the templates")
 
+    submit = sub.add_parser(
+        "submit",
+        help="submit the job to Slurm with its plan as the memory request",
+        description="Plan the job, refuse it (exit 3) when it exceeds the memory of the partition's largest "
+        "node (sinfo RealMemory), render templates/slurm_job.sh.j2 with --mem set to the plan's envelope "
+        "peak plus the 3 % a run may end above it, and submit it with sbatch; prints the job id. See "
+        "docs/guides/slurm.md.",
+    )
+    _add_run_flags(submit)
+    submit.add_argument(
+        "--partition", metavar="NAME", help="Slurm partition (default: the cluster's default)"
+    )
+    submit.add_argument(
+        "--time",
+        metavar="LIMIT",
+        help="time limit: MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED "
+        "(default: the partition's)",
+    )
+    submit.add_argument(
+        "--dry-run", action="store_true", help="print the batch script and the plan; submit nothing"
+    )
+
     apply.add_parsers(sub)
     remote_cli.add_parser(sub)
     return parser
@@ -226,6 +249,34 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _submit(args: argparse.Namespace) -> int:
+    """``bigmem-train submit``: the job's own ``run`` flags, made absolute, go into the batch script."""
+    from bigmem_train.ops.scheduler import check_time, submit_job
+
+    if args.time:
+        check_time(args.time)  # before the plan: a typo costs nothing
+    if not args.run_name:
+        args.run_name = time.strftime("run-%Y%m%d-%H%M%S")
+    config = load_job_config(args)
+    run_arguments = []
+    if args.config:
+        given = Path(args.config)
+        run_arguments += ["--config", str(given.resolve()) if given.exists() else args.config]
+    for text in args.overrides:
+        run_arguments += ["--set", text]
+    if args.target:
+        run_arguments += ["--target", args.target]
+    if args.data:
+        run_arguments += ["--data", str(Path(args.data).resolve())]
+    run_arguments += [
+        "--results",
+        str(Path(config.output.results_dir).resolve()),
+        "--run-name",
+        args.run_name,
+    ]
+    return submit_job(config, run_arguments, args.partition, args.time, args.dry_run)
+
+
 def dispatch(args: argparse.Namespace) -> int:
     command = args.command
     if command in {"run", "train"}:
@@ -248,4 +299,6 @@ def dispatch(args: argparse.Namespace) -> int:
         return apply.evaluate_command(args)
     if command == "remote":
         return remote_cli.dispatch(args)
+    if command == "submit":
+        return _submit(args)
     raise BadInput(f"unknown command {command!r}")
