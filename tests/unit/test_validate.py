@@ -242,3 +242,91 @@ def test_footprint_passes_a_run_inside_the_plans_expected_range(tmp_path):
     stated.update(low_bytes=int(19.0 * (1 - 0.096) * 2**30), high_bytes=int(19.0 * 1.03 * 2**30))
     (run_dir / "plan.json").write_text(json.dumps({**plan, "expected_range": stated}))
     assert "footprint" not in failed_names(run_dir)
+
+
+# Gaps the mutation run found (docs/results/mutation-testing.md): the criteria's edges, hand-set.
+
+
+def _evaluation(run_dir, summary):
+    (run_dir / "evaluation").mkdir()
+    (run_dir / "evaluation" / "evaluation.json").write_text(json.dumps({"summary": summary}))
+
+
+def _criterion(run_dir, name):
+    return next(criterion for criterion in evaluate(run_dir).criteria if criterion.name == name)
+
+
+@pytest.mark.parametrize(("pooled", "passes"), [(0.49, False), (0.5, True), (0.51, True)])
+def test_the_dice_floor_is_judged_on_the_whole_volumes_at_its_edge(tmp_path, pooled, passes):
+    """The crops reached 0.75; the whole volumes decide, and a Dice equal to the floor passes."""
+    run_dir = make_run(tmp_path, GOOD, dice_floor=0.5)
+    _evaluation(run_dir, {"foreground": {"pooled_dice": pooled, "cases": 3}})
+    dice = _criterion(run_dir, "dice_floor")
+    assert dice.passed is passes
+    assert f"Dice {pooled:.4f} on 3 whole validation volume(s)" in dice.detail
+
+
+def test_a_multiclass_floor_is_the_mean_over_the_classes_not_the_brats_regions(tmp_path):
+    """Classes 0.9, 0.6 and 0.3: mean 0.6, whatever the regions (which would lift it) say."""
+    run_dir = make_run(tmp_path, GOOD, dice_floor=0.55)
+    summary = {
+        "edema": {"pooled_dice": 0.9, "cases": 2},
+        "non-enhancing": {"pooled_dice": 0.6, "cases": 2},
+        "enhancing": {"pooled_dice": 0.3, "cases": 2},
+        "whole tumour": {"pooled_dice": 0.99, "cases": 2},
+        "tumour core": {"pooled_dice": 0.99, "cases": 2},
+    }
+    _evaluation(run_dir, summary)
+    dice = _criterion(run_dir, "dice_floor")
+    assert dice.passed and "Dice 0.6000 on 2 whole" in dice.detail
+    (run_dir / "config.yaml").write_text(
+        load_config(None, {"training.epochs": 3, "validation.dice_floor": 0.61}).to_yaml()
+    )
+    assert not _criterion(run_dir, "dice_floor").passed
+
+
+def test_finished_needs_both_the_state_and_every_epoch(tmp_path):
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    # finished state, one epoch short of the config's 4
+    assert "finished" in failed_names(make_run(tmp_path / "a", GOOD, epochs=4))
+    # every epoch in history, state not finished
+    assert "finished" in failed_names(make_run(tmp_path / "b", GOOD, state="running"))
+    assert "finished" not in failed_names(make_run(tmp_path / "c", GOOD))
+
+
+@pytest.mark.parametrize(
+    ("losses", "fell"),
+    [
+        ([1.0], False),  # one epoch: nothing to compare
+        ([1.0, 1.0], False),  # equal is not a fall
+        ([1.0, 0.9], True),  # two epochs suffice
+        ([1.0, 0.5, 0.95], True),  # first against last, not the last two
+        ([1.0, 1.2, 1.1], False),  # the last two fell, the run did not
+    ],
+)
+def test_loss_fell_compares_the_last_epoch_with_the_first(tmp_path, losses, fell):
+    rows = [(loss, 0.7, 0.75) for loss in losses]
+    assert ("loss_fell" not in failed_names(make_run(tmp_path, rows))) is fell
+
+
+def test_the_floor_reads_the_dice_column_the_config_names(tmp_path):
+    """Soft Dice 0.45 and hard Dice 0.8 on the crops (no whole-volume evaluation)."""
+    run_dir = make_run(tmp_path, GOOD)
+    (run_dir / "history.csv").write_text(
+        HEADER + "".join(f"{i},0.4,0.4,{1 - i / 10},0.45,0.8,0.5\n" for i in range(3))
+    )
+    for metric, passes in (("hard", True), ("soft", False)):
+        overrides = {"training.epochs": 3, "validation.dice_floor": 0.5, "validation.dice_metric": metric}
+        (run_dir / "config.yaml").write_text(load_config(None, overrides).to_yaml())
+        assert _criterion(run_dir, "dice_floor").passed is passes, metric
+
+
+@pytest.mark.parametrize(
+    ("peak", "passes"),
+    [(11 * 2**30, True), (11 * 2**30 + 2**20, False), (9 * 2**30, True), (9 * 2**30 - 2**20, False)],
+)
+def test_the_footprint_tolerance_is_inclusive_on_both_sides(tmp_path, peak, passes):
+    """Target 10 GiB, tolerance 10 %: 9 and 11 GiB are in, a MiB beyond either is out."""
+    run_dir = make_run(tmp_path, GOOD, target=10 * 2**30, peak=peak, planned=peak)
+    assert ("footprint" not in failed_names(run_dir)) is passes
