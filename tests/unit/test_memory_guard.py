@@ -22,6 +22,7 @@ from bigmem_train.verdict.postmortem import after_memory_stop, container_id, dia
 from bigmem_train.verdict.rundir import (
     FINISHED,
     STOPPED,
+    cgroup_record,
     prepare_run_dir,
     process_identity,
     read_memory_csv,
@@ -510,22 +511,10 @@ def _gone_pid() -> int:
     return child.pid
 
 
-def _recorded_cgroup(cgroup) -> dict:
-    """The cgroup as rundir.process_identity records it in state.json at the start of a run."""
-    return {
-        "version": cgroup.version,
-        "path": cgroup.path,
-        "folder": str(cgroup.folder),
-        "oom_counter_file": str(cgroup.oom_counter_file),
-        "oom_kills": cgroup.oom_kills(),
-        "limit_bytes": cgroup.limit_bytes(),
-    }
-
-
 def test_a_v2_cgroups_oom_kills_are_counted_and_named_from_memory_events(tmp_path):
     root = v2_layout(tmp_path / "host", oom_kill=2)
     cgroup = find_memory_cgroup(root)
-    recorded = _recorded_cgroup(cgroup)
+    recorded = cgroup_record(cgroup)
     assert recorded["oom_kills"] == 2 and recorded["oom_counter_file"].endswith(
         "/job.slice/run/memory.events"
     )
@@ -602,7 +591,7 @@ def test_validate_says_the_stop_and_the_kill_on_its_way_out(tmp_path):
         "stopped": "memory",
         "leaving": True,
         "message": stop,
-        "cgroup": _recorded_cgroup(find_memory_cgroup(root)),
+        "cgroup": cgroup_record(find_memory_cgroup(root)),
     }
     set_state(run_dir, STOPPED, **state)
     write(root, {"sys/fs/cgroup/job.slice/run/memory.events": "oom 4\noom_kill 3\n"})

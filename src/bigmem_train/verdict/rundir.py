@@ -96,15 +96,21 @@ def process_identity() -> dict[str, Any]:
         identity["container_id"] = container.group(1)
     cgroup = find_memory_cgroup()
     if cgroup is not None:
-        identity["cgroup"] = {
-            "version": cgroup.version,
-            "path": cgroup.path,
-            "folder": str(cgroup.folder),
-            "oom_counter_file": str(cgroup.oom_counter_file),
-            "oom_kills": cgroup.oom_kills(),
-            "limit_bytes": cgroup.limit_bytes(),
-        }
+        identity["cgroup"] = cgroup_record(cgroup)
     return identity
+
+
+def cgroup_record(cgroup) -> dict[str, Any]:
+    """The memory cgroup as state.json records it: where it is, its OOM-kill counter file and count, its limit
+    (postmortem reads the counter again to tell an OOM kill)."""
+    return {
+        "version": cgroup.version,
+        "path": cgroup.path,
+        "folder": str(cgroup.folder),
+        "oom_counter_file": str(cgroup.oom_counter_file),
+        "oom_kills": cgroup.oom_kills(),
+        "limit_bytes": cgroup.limit_bytes(),
+    }
 
 
 def _resizable_difference(
