@@ -48,18 +48,6 @@ def check_out_dir(out_dir: Path, flag: str = "--out", create: bool = True) -> No
         raise BadInput(f"{flag} {out_dir}: cannot be written ({error.strerror or error})") from None
 
 
-def write_text_atomically(path: Path, text: str) -> None:
-    """``text`` to a hidden partial name in the same folder, then renamed over ``path``."""
-    partial = path.with_name(PARTIAL_PREFIX + path.name)
-    try:
-        partial.write_text(text)
-        os.replace(partial, path)
-    except OSError as error:
-        raise write_error(path, error) from None
-    finally:
-        partial.unlink(missing_ok=True)
-
-
 def output_path(out_dir: Path, name: str, suffix: str = "") -> Path:
     return out_dir / f"{name}{suffix}.nii.gz"
 

@@ -41,12 +41,13 @@ from bigmem_train.infer.nifti import (
     like_source,
     output_path,
     write_atomically,
-    write_text_atomically,
+    write_error,
 )
 from bigmem_train.infer.source import ImageCase, ModelSource
 from bigmem_train.memory.inference import InferencePlan, conversion_peak_bytes, plan_volume, tile_starts
 from bigmem_train.memory.layers import layer_table
 from bigmem_train.sizes import format_bytes, parse_size
+from bigmem_train.verdict.rundir import write_json
 
 SUMMARY = "predict.json"
 PROBABILITIES_SUFFIX = "_probabilities"
@@ -318,7 +319,11 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
 
 
 def _write_summary(path: Path, summary: dict) -> None:
-    write_text_atomically(path, json.dumps(summary, indent=2, default=str) + "\n")
+    """predict.json, atomically; a failed write is exit 3 (full disk) or 2 with one line, as a mask's."""
+    try:
+        write_json(path, summary)
+    except OSError as error:
+        raise write_error(path, error) from None
 
 
 def _conversion_record(engine, source: ModelSource) -> dict:

@@ -30,10 +30,14 @@ CHANGEABLE_ON_RESUME = (
 
 
 def write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temp file + rename), so a reader never sees half a file."""
+    """Write JSON atomically (temp file + rename), so a reader never sees half a file; a failed write leaves
+    the file as it was and no temp file."""
     temporary = path.with_name(f".{path.name}.tmp")
-    temporary.write_text(json.dumps(data, indent=2, default=str) + "\n")
-    os.replace(temporary, path)
+    try:
+        temporary.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 def read_json(path: Path) -> Any:
