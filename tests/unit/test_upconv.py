@@ -104,6 +104,10 @@ def test_folded_model_trains_like_the_unfolded_one(monkeypatch):
     from bigmem_train.model import conv
 
     monkeypatch.setattr(conv, "filter_gradient_runs_gemm", lambda *args: False)
+    # Seeded: with four filters an unlucky draw leaves a channel all but dead after its ReLU, and the next batch
+    # normalization's tiny variance magnifies float32 rounding in the gradients upstream of it (one CI run saw 5e-3
+    # on down0_conv1's kernel; seeds 0-11 here give 3e-6 to 2e-5, on AVX-512 and on AVX2 alike).
+    keras.utils.set_random_seed(0)
     shape, channels = (32, 24, 16), 2
     plain = build_unet(ModelConfig(depth=3, base_filters=4, fold_upsampling=False), shape, channels)
     folded = build_unet(ModelConfig(depth=3, base_filters=4, fold_upsampling=True), shape, channels)
