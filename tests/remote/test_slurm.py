@@ -1,7 +1,11 @@
-"""``bigmem-train submit`` against a real one-node Slurm cluster on localhost (tests/fixtures/slurm.py):
-a tiny job submitted with its plan as --mem ends COMPLETED with exit 0 and a PASS verdict; two jobs whose
---mem together exceed the node's RealMemory run one at a time, the second PENDING for Resources; an
-unknown partition is one line and exit 2.
+"""``bigmem-train submit`` and ``bigmem-train slurm`` against a real one-node Slurm cluster on localhost
+(tests/fixtures/slurm.py): a tiny job submitted with its plan as --mem, from a folder whose name has a
+space, ends COMPLETED with exit 0 and a PASS verdict, and ``slurm status``/``fetch`` show and copy it; a
+job that fails validation ends FAILED with ExitCode 1:0; two jobs whose --mem together exceed the node's
+RealMemory run one at a time, the second PENDING for Resources; one running job is watched with ``slurm
+status``/``logs`` and stopped with ``slurm stop``; bad input (unknown partition, --nodes beyond the
+partition, a bad --time, no Slurm client, no controller) is one line, exit 2, and nothing submitted; every
+--time form ``submit`` accepts, sbatch accepts.
 
 The node declares 1.5 times the tiny job's --mem as its RealMemory (a node may declare less than it has),
 so that two tiny jobs cannot run side by side: memory, not CPUs, decides (each asks for one CPU).
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -19,14 +24,16 @@ from pathlib import Path
 import pytest
 
 from bigmem_train.config import load_config
+from bigmem_train.errors import BadInput
 from bigmem_train.host import read_host_facts
 from bigmem_train.memory.plan import plan_job
-from bigmem_train.ops.scheduler import bigmem_train_executable
-from tests.fixtures.common import write_tiny_job
+from bigmem_train.ops.scheduler import bigmem_train_executable, check_time
+from tests.fixtures.common import free_port, write_tiny_job
 
 pytestmark = pytest.mark.slow
 
 ONE_CPU = ["--set", "runtime.intra_op_threads=1"]
+ACCEPTED_TIMES = ["30", "30:00", "2:30:00", "1-12", "1-12:30", "1-12:30:15", "UNLIMITED", "unlimited", "0"]
 
 
 def _request_mib(job: Path) -> int:
@@ -39,26 +46,41 @@ def slurm_real_memory_mib(tmp_path_factory) -> int:
     return int(_request_mib(write_tiny_job(tmp_path_factory.mktemp("plan") / "job.yaml")) * 1.5)
 
 
-def submit(cluster, job: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
+def bigmem_train(
+    cluster, folder: Path, *arguments: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """This environment's ``bigmem-train ARGUMENTS`` in ``folder``, a client of ``cluster``."""
     if not bigmem_train_executable().exists():
         pytest.skip(f"{bigmem_train_executable()} missing: the job runs the environment's bigmem-train")
     return subprocess.run(
-        [
-            str(bigmem_train_executable()),
-            "submit",
-            "--config",
-            str(job),
-            "--run-name",
-            name,
-            *ONE_CPU,
-            *extra,
-        ],
-        env={**cluster.env, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
-        cwd=job.parent,
+        [str(bigmem_train_executable()), *arguments],
+        env={**(env or cluster.env), "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+        cwd=folder,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
+    )
+
+
+def submit(
+    cluster, job: Path, name: str, *extra: str, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    return bigmem_train(
+        cluster, job.parent, "submit", "--config", str(job), "--run-name", name, *ONE_CPU, *extra, env=env
+    )
+
+
+def job_ids(cluster) -> set[str]:
+    """Every job the controller knows (squeue orders them by state, which changes as jobs end)."""
+    return set(
+        subprocess.run(
+            ["squeue", "-h", "-t", "all", "-o", "%i"],
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split()
     )
 
 
@@ -74,7 +96,9 @@ def wait_for(cluster, job_id: str, states: set[str], timeout: float) -> dict[str
 
 
 def test_a_submitted_job_runs_with_its_plan_as_mem_and_passes(slurm_cluster, tmp_path):
-    job = write_tiny_job(tmp_path / "job.yaml")
+    folder = tmp_path / "lab share"  # the #SBATCH lines quote the output and work folder
+    folder.mkdir()
+    job = write_tiny_job(folder / "job.yaml")
     done = submit(slurm_cluster, job, "slurm-1", "--time", "10:00")
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
@@ -84,14 +108,43 @@ def test_a_submitted_job_runs_with_its_plan_as_mem_and_passes(slurm_cluster, tmp
     ended = wait_for(
         slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 150
     )
-    log = tmp_path / "results" / f"slurm-1.slurm-{job_id}.out"
+    log = folder / "results" / f"slurm-1.slurm-{job_id}.out"
     assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", log.read_text()[-3000:]
-    verdict = json.loads((tmp_path / "results" / "slurm-1" / "verdict.json").read_text())
+    verdict = json.loads((folder / "results" / "slurm-1" / "verdict.json").read_text())
     assert verdict["verdict"] == "PASS", verdict
+    status = bigmem_train(slurm_cluster, folder, "slurm", "status", "slurm-1")
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0] == f"slurm-1: Slurm job {job_id} COMPLETED on {slurm_cluster.node}, exit code 0", lines
+    assert "  verdict: PASS" in lines and f"  log: {log}" in lines
+    fetched = bigmem_train(slurm_cluster, folder, "slurm", "fetch", job_id, "--to", str(tmp_path / "copy"))
+    assert fetched.stdout.strip() == f"fetched {tmp_path / 'copy' / 'slurm-1'}; verdict PASS", fetched.stderr
+    assert (tmp_path / "copy" / "slurm-1" / "job.log").read_text() == log.read_text()
 
 
-def test_two_jobs_beyond_the_nodes_memory_run_one_at_a_time(slurm_cluster, tmp_path):
+def test_a_job_that_fails_validation_ends_failed_with_exit_code_1(slurm_cluster, tmp_path):
     job = write_tiny_job(tmp_path / "job.yaml", epochs=1)
+    done = submit(slurm_cluster, job, "fails", "--set", "validation.dice_floor=1.0")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    ended = wait_for(
+        slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 150
+    )
+    log = tmp_path / "results" / f"fails.slurm-{job_id}.out"
+    assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "1:0"), log.read_text()[-3000:]
+    verdict = json.loads((tmp_path / "results" / "fails" / "verdict.json").read_text())
+    assert verdict["verdict"] == "FAIL", verdict
+    status = bigmem_train(slurm_cluster, tmp_path, "slurm", "status", job_id)
+    assert status.stdout.startswith(f"fails: Slurm job {job_id} FAILED (NonZeroExitCode) on "), status.stdout
+    assert ", exit code 1\n" in status.stdout and "  verdict: FAIL" in status.stdout
+
+
+def test_two_jobs_beyond_the_nodes_memory_run_one_at_a_time_and_slurm_commands_watch_and_stop_one(
+    slurm_cluster, tmp_path
+):
+    """The first job trains long enough to be watched: slurm status and logs while it runs, then slurm stop;
+    the second waits for it (the status of a pending job names Slurm's reason)."""
+    job = write_tiny_job(tmp_path / "job.yaml", epochs=200)
     assert 2 * _request_mib(job) > slurm_cluster.real_memory_mib
     first = submit(slurm_cluster, job, "first")
     second = submit(slurm_cluster, job, "second")
@@ -103,15 +156,88 @@ def test_two_jobs_beyond_the_nodes_memory_run_one_at_a_time(slurm_cluster, tmp_p
         waiting = slurm_cluster.job(second_id)
         assert waiting["JobState"] == "PENDING" and waiting["Reason"] == "Resources", waiting
         assert slurm_cluster.job(first_id)["JobState"] == "RUNNING"
+        pending = bigmem_train(slurm_cluster, tmp_path, "slurm", "status", "second")
+        assert pending.stdout.startswith(f"second: Slurm job {second_id} PENDING (Resources)\n"), pending
+
+        deadline = time.monotonic() + 120  # the first epoch's steps: the graph is traced first
+        while not (tmp_path / "results" / "first" / "progress.json").exists():
+            assert time.monotonic() < deadline, (
+                tmp_path / "results" / f"first.slurm-{first_id}.out"
+            ).read_text()
+            time.sleep(1)
+        status = bigmem_train(slurm_cluster, tmp_path, "slurm", "status", "first", "--json")
+        report = json.loads(status.stdout)
+        assert (report["state"], report["host"], report["run_state"]) == (
+            "RUNNING",
+            slurm_cluster.node,
+            "running",
+        )
+        assert report["epochs"] == 200 and report["epoch"] >= 1 and report["live_rss_bytes"] > 0, report
+        logs = bigmem_train(slurm_cluster, tmp_path, "slurm", "logs", first_id, "--lines", "200")
+        assert logs.returncode == 0 and "bigmem-train: training (16, 16, 16) x batch 2" in logs.stdout, logs
+
+        stop = bigmem_train(slurm_cluster, tmp_path, "slurm", "stop", "first")
+        assert stop.stdout.startswith(f"first: Slurm job {first_id} cancelled (CANCELLED)"), stop
+        assert slurm_cluster.job(first_id)["JobState"] == "CANCELLED"
+        assert (tmp_path / "results" / "first" / "checkpoints").is_dir()  # resumable: the run stays
+        again = bigmem_train(slurm_cluster, tmp_path, "slurm", "stop", first_id)
+        assert again.stdout.strip() == f"first: Slurm job {first_id} is not running (CANCELLED)", again
     finally:
         subprocess.run(["scancel", first_id, second_id], env=slurm_cluster.env, check=False)
 
 
-def test_an_unknown_partition_is_one_line(slurm_cluster, tmp_path):
-    job = write_tiny_job(tmp_path / "job.yaml")
-    done = submit(slurm_cluster, job, "nowhere", "--partition", "nowhere")
+@pytest.mark.parametrize(
+    "case, extra, message",
+    [
+        (
+            "partition",
+            ["--partition", "nowhere"],
+            "--partition nowhere: no such partition (sinfo shows: bigmem)",
+        ),
+        ("nodes", ["--nodes", "2"], "--nodes 2: partition bigmem has 1 node(s)"),
+        ("time", ["--time", "1h"], "--time '1h': not a Slurm time"),
+        ("no client", [], "sinfo not found: is the Slurm client (slurm-client) installed"),
+        ("no controller", [], "sinfo -h: slurm_load_partitions: Unable to contact slurm controller"),
+    ],
+    ids=["partition", "nodes", "time", "no client", "no controller"],
+)
+def test_bad_input_is_one_line_and_submits_nothing(slurm_cluster, tmp_path, case, extra, message):
+    job = write_tiny_job(tmp_path / "job.yaml", strategy="multi_worker" if case == "nodes" else "single")
+    env = dict(slurm_cluster.env)
+    if case == "no client":
+        env["PATH"] = str(bigmem_train_executable().parent)
+    if case == "no controller":  # the cluster's own config, its controller's port closed
+        conf = tmp_path / "slurm.conf"
+        conf.write_text(
+            re.sub(r"(?m)^SlurmctldPort=\d+$", f"SlurmctldPort={free_port()}", slurm_cluster.conf.read_text())
+        )
+        env["SLURM_CONF"] = str(conf)
+    before = job_ids(slurm_cluster)
+    done = submit(slurm_cluster, job, "bad", *extra, env=env)
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "--partition nowhere: no such partition" in done.stderr, (
-        done.stderr
+    assert done.stderr.count("\n") == 1 and message in done.stderr, done.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["job.yaml", "slurm.conf"][: 2 if case == "no controller" else 1]
     )
-    assert os.listdir(tmp_path) == ["job.yaml"]
+    assert job_ids(slurm_cluster) == before
+
+
+def test_every_time_submit_accepts_sbatch_accepts(slurm_cluster):
+    """submit is never more lenient than Slurm: of these, each --time that check_time lets through, sbatch
+    takes (sbatch also takes some check_time refuses, e.g. "1-" and "-5", which sbatch(1) does not list)."""
+    accepted = []
+    for text in [*ACCEPTED_TIMES, "", "1h", "1:2:3:4", "1-2-3", "12:60x", "1.5", "1-12:30:15:1", "2 days"]:
+        try:
+            check_time(text)
+        except BadInput:
+            continue
+        accepted.append(text)
+        done = subprocess.run(
+            ["sbatch", "--test-only", f"--time={text}", "--wrap=true"],
+            env=slurm_cluster.env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert done.returncode == 0, (text, done.stderr)
+    assert accepted == ACCEPTED_TIMES

@@ -4,6 +4,7 @@ submits nothing. ``sinfo`` and ``sbatch`` are stand-ins (``scheduler.run_client`
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 
@@ -25,8 +26,11 @@ def _plan(job):
 class StandInSlurm:
     """A stand-in for sinfo and sbatch: one partition with nodes of ``memory_mib``; records every call."""
 
-    def __init__(self, memory_mib: int, partition: str = "bigmem", cpus: int = 64, job_id: str = "4242"):
+    def __init__(
+        self, memory_mib: int, partition: str = "bigmem", cpus: int = 64, job_id: str = "4242", nodes: int = 2
+    ):
         self.memory_mib, self.partition, self.cpus, self.job_id = memory_mib, partition, cpus, job_id
+        self.nodes = nodes
         self.calls: list[list[str]] = []
         self.scripts: list[str] = []
 
@@ -34,9 +38,9 @@ class StandInSlurm:
         self.calls.append(command)
         if command[0] == "sinfo":
             lines = (
-                f"{self.partition}\n"
+                f"{self.partition}*\n"  # sinfo marks the default partition
                 if command[-1] == "%P"
-                else f"{self.partition}* {self.memory_mib} {self.cpus} 2\n"
+                else f"{self.partition}* {self.memory_mib} {self.cpus} {self.nodes}\n"
             )
             if "-p" in command and command[command.index("-p") + 1] != self.partition:
                 lines = ""
@@ -79,7 +83,8 @@ def test_dry_run_script_requests_the_plan_rounded_up_to_mib_and_submits_nothing(
     assert "#SBATCH --partition=bigmem\n" in out
     assert "#SBATCH --time=0-01:00\n" in out
     assert "#SBATCH --job-name=s1\n" in out
-    assert f"#SBATCH --output={tmp_path / 'results' / 's1.slurm-%j.out'}\n" in out
+    assert f'#SBATCH --output="{tmp_path / "results" / "s1.slurm-%j.out"}"\n' in out
+    assert f'#SBATCH --chdir="{tmp_path}"\n' in out
     assert f"run --config {tiny} --results {tmp_path / 'results'} --run-name s1" in out
     assert out.rstrip().splitlines()[-1].startswith("plan: peak ")
     assert f"--mem={expected}M" in out.rstrip().splitlines()[-1]
@@ -127,6 +132,14 @@ def test_a_plan_of_exactly_the_nodes_memory_fits(tiny, tmp_path, monkeypatch):
     [
         (["--partition", "gpu"], "--partition gpu: no such partition (sinfo shows: bigmem)"),
         (["--time", "2h"], "--time '2h': not a Slurm time"),
+        (
+            ["--nodes", "3", "--set", "training.strategy=multi_worker"],
+            "--nodes 3: partition bigmem has 2 node(s)",
+        ),
+        (
+            ["--nodes", "2", "--set", "training.strategy=multi_worker"],
+            "submit starts one task on one node and does not start multi-worker jobs yet",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_submits_nothing(tiny, tmp_path, monkeypatch, capsys, argv, message):
@@ -165,3 +178,216 @@ def test_a_failing_sinfo_is_bad_input(tiny, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(scheduler, "run_client", refusing)
     assert main(["submit", "--config", str(tiny)]) == 2
     assert "Unable to contact slurm controller" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--nodes", "2"], "--nodes 2: training.strategy is single, which trains on one node"),
+        (["--nodes", "0"], "--nodes 0: give 1 or more"),
+    ],
+)
+def test_nodes_that_cannot_carry_the_job_are_refused_before_asking_slurm(
+    tiny, tmp_path, monkeypatch, capsys, argv, message
+):
+    stand_in = StandInSlurm(memory_mib=64 * 1024, nodes=4)
+    monkeypatch.setattr(scheduler, "run_client", stand_in)
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", str(tiny), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+    assert stand_in.calls == []
+
+
+def test_no_slurm_client_on_the_path_is_one_line(tiny, tmp_path, monkeypatch, capsys):
+    """The real client runner, with a PATH where no sinfo is: the FileNotFoundError a missing Slurm gives."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", str(tiny), "--run-name", "s5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sinfo not found: is the Slurm client (slurm-client) installed" in err
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_path_sbatch_cannot_quote_is_bad_input(tmp_path, monkeypatch, capsys):
+    folder = tmp_path / 'say "hi"'
+    folder.mkdir()
+    job = write_tiny_job(folder / "job.yaml", results=folder / "results")
+    stand_in = StandInSlurm(memory_mib=64 * 1024)
+    monkeypatch.setattr(scheduler, "run_client", stand_in)
+    monkeypatch.chdir(folder)
+    assert main(["submit", "--config", str(job), "--run-name", "s6"]) == 2
+    assert "a path with a double quote or a newline cannot go into an #SBATCH line" in capsys.readouterr().err
+    assert all(call[0] != "sbatch" for call in stand_in.calls)
+
+
+# --------------------------------------------------------------------------------------------------
+# bigmem-train slurm status|logs|stop|fetch, against stand-ins for scontrol, squeue and scancel
+
+
+class StandInJobs:
+    """Slurm's job commands over ``jobs`` (job id -> fields); scancel marks a job CANCELLED."""
+
+    def __init__(self, jobs: dict[str, dict[str, str]]):
+        self.jobs = jobs
+        self.calls: list[list[str]] = []
+
+    def __call__(self, command, **options):
+        self.calls.append(command)
+        if command[:3] == ["scontrol", "show", "job"]:
+            fields = self.jobs.get(command[3])
+            if fields is None:
+                return subprocess.CompletedProcess(
+                    command, 1, "", "slurm_load_jobs error: Invalid job id specified\n"
+                )
+            # scontrol's layout: most fields several to a line, paths alone on theirs (with their spaces).
+            alone = {key: value for key, value in fields.items() if key in {"StdOut", "WorkDir"}}
+            rest = " ".join(f"{key}={value}" for key, value in fields.items() if key not in alone)
+            text = f"JobId={command[3]} {rest}\n" + "".join(f"   {k}={v}\n" for k, v in alone.items())
+            return subprocess.CompletedProcess(command, 0, text, "")
+        if command[0] == "squeue":
+            name = command[command.index("--name") + 1]
+            ids = [job_id for job_id, fields in self.jobs.items() if fields["JobName"] == name]
+            return subprocess.CompletedProcess(command, 0, "".join(f"{i}\n" for i in ids), "")
+        if command[0] == "scancel":
+            self.jobs[command[1]].update(JobState="CANCELLED", ExitCode="0:15")
+            return subprocess.CompletedProcess(command, 0, "", "")
+        raise AssertionError(f"unexpected command {command}")
+
+
+def _slurm_job(results, name, job_id, state="RUNNING", exit_code="0:0"):
+    return {
+        "JobName": name,
+        "JobState": state,
+        "Reason": "None",
+        "ExitCode": exit_code,
+        "BatchHost": "node1",
+        "StdOut": str(results / f"{name}.slurm-{job_id}.out"),
+    }
+
+
+@pytest.fixture
+def shared(tmp_path, monkeypatch):
+    """A results folder with a space in its name holding run brats-1's files, as a job writes them."""
+    results = tmp_path / "shared results"
+    run = results / "brats-1"
+    (run / "backup").mkdir(parents=True)
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "last.keras").write_text("weights")
+    (run / "backup" / "chief").write_text("transient")
+    (run / "state.json").write_text('{"state": "running"}')
+    (run / "config.yaml").write_text("training:\n  epochs: 5\n")
+    (run / "progress.json").write_text('{"epoch": 2, "step": 3, "steps_per_epoch": 4}')
+    (run / "history.csv").write_text("epoch,loss,val_dice\n0,0.9,0.2\n1,0.7,0.4\n")
+    (run / "memory.csv").write_text("time,rss_bytes\n0,1000\n1,3000\n2,2000\n")
+    (results / "brats-1.slurm-7.out").write_text("".join(f"line {n}\n" for n in range(10)))
+    monkeypatch.chdir(tmp_path)
+    return results
+
+
+def test_status_of_a_job_by_run_name_shows_slurms_state_and_the_runs_progress(shared, monkeypatch, capsys):
+    jobs = StandInJobs({"7": _slurm_job(shared, "brats-1", "7"), "3": _slurm_job(shared, "other", "3")})
+    monkeypatch.setattr(scheduler, "run_client", jobs)
+    assert main(["slurm", "status", "brats-1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "brats-1: Slurm job 7 RUNNING on node1"
+    assert "  epoch 3/5, step 3/4" in out
+    assert "  last finished epoch 2: loss 0.7000, val_dice 0.4000" in out
+    assert any(line.startswith("  memory: live 2000 B") and "peak 3000 B" in line for line in out)
+    assert f"  run directory: {shared / 'brats-1'}" in out
+    assert main(["slurm", "status", "7", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["state"] == "RUNNING" and report["exit_code"] is None and report["epoch"] == 3
+
+
+def test_status_of_an_ended_job_has_its_exit_code_and_verdict(shared, monkeypatch, capsys):
+    (shared / "brats-1" / "verdict.json").write_text('{"verdict": "FAIL"}')
+    job = _slurm_job(shared, "brats-1", "7", state="FAILED", exit_code="1:0") | {"Reason": "NonZeroExitCode"}
+    monkeypatch.setattr(scheduler, "run_client", StandInJobs({"7": job}))
+    assert main(["slurm", "status", "7"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "brats-1: Slurm job 7 FAILED (NonZeroExitCode) on node1, exit code 1"
+    assert "  verdict: FAIL" in out and any(line.startswith("  memory: live -,") for line in out)
+
+
+def test_a_job_slurm_forgot_is_found_by_its_log_in_the_results_folder(shared, monkeypatch, capsys):
+    monkeypatch.setattr(scheduler, "run_client", StandInJobs({}))
+    for reference in ("7", "brats-1"):
+        assert main(["slurm", "status", reference, "--results", str(shared)]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("brats-1: Slurm job 7 no longer listed by Slurm") and "epoch 3/5" in out
+    assert main(["slurm", "status", "8", "--results", str(shared)]) == 2
+    assert "Slurm job 8: Slurm no longer lists it" in capsys.readouterr().err
+    assert main(["slurm", "status", "nobody", "--results", str(shared)]) == 2
+    assert "no Slurm job named nobody" in capsys.readouterr().err
+
+
+def test_a_job_not_made_by_submit_is_bad_input(shared, monkeypatch, capsys):
+    job = _slurm_job(shared, "brats-1", "9") | {"StdOut": str(shared / "slurm-9.out")}
+    monkeypatch.setattr(scheduler, "run_client", StandInJobs({"9": job}))
+    assert main(["slurm", "logs", "9"]) == 2
+    assert "Slurm job 9 (brats-1) was not submitted by bigmem-train submit" in capsys.readouterr().err
+
+
+def test_logs_prints_the_jobs_output(shared, monkeypatch, capsys):
+    monkeypatch.setattr(scheduler, "run_client", StandInJobs({"7": _slurm_job(shared, "brats-1", "7")}))
+    assert main(["slurm", "logs", "7", "-n", "2"]) == 0
+    assert capsys.readouterr().out == "line 8\nline 9\n"
+    assert main(["slurm", "logs", "brats-1"]) == 0
+    assert capsys.readouterr().out.count("\n") == 10
+
+
+def test_stop_cancels_a_running_job_and_leaves_an_ended_one(shared, monkeypatch, capsys):
+    jobs = StandInJobs({"7": _slurm_job(shared, "brats-1", "7")})
+    monkeypatch.setattr(scheduler, "run_client", jobs)
+    assert main(["slurm", "stop", "brats-1"]) == 0
+    assert capsys.readouterr().out.startswith("brats-1: Slurm job 7 cancelled (CANCELLED); submit it again")
+    assert ["scancel", "7"] in jobs.calls
+    assert (shared / "brats-1" / "checkpoints" / "last.keras").exists()
+    assert main(["slurm", "stop", "7"]) == 0
+    assert capsys.readouterr().out.strip() == "brats-1: Slurm job 7 is not running (CANCELLED)"
+    assert [call for call in jobs.calls if call[0] == "scancel"] == [["scancel", "7"]]
+
+
+def test_fetch_copies_the_run_directory_and_the_log(shared, tmp_path, monkeypatch, capsys):
+    (shared / "brats-1" / "verdict.json").write_text('{"verdict": "PASS"}')
+    job = _slurm_job(shared, "brats-1", "7", state="COMPLETED")
+    monkeypatch.setattr(scheduler, "run_client", StandInJobs({"7": job}))
+    assert main(["slurm", "fetch", "7", "--to", str(tmp_path / "here"), "--no-checkpoints"]) == 0
+    copy = tmp_path / "here" / "brats-1"
+    assert capsys.readouterr().out.strip() == f"fetched {copy}; verdict PASS"
+    assert sorted(path.name for path in copy.iterdir()) == [
+        "config.yaml",
+        "history.csv",
+        "job.log",
+        "memory.csv",
+        "progress.json",
+        "state.json",
+        "verdict.json",
+    ]
+    assert (copy / "job.log").read_text().startswith("line 0\n")
+    assert main(["slurm", "fetch", "7", "--to", str(tmp_path / "all")]) == 0
+    assert (tmp_path / "all" / "brats-1" / "checkpoints" / "last.keras").exists()
+    assert not (tmp_path / "all" / "brats-1" / "backup").exists()
+
+
+def test_logs_follow_prints_until_slurm_says_the_job_ended(shared, monkeypatch):
+    log = shared / "brats-1.slurm-7.out"
+
+    class Ending(StandInJobs):
+        """Each look at the job after the first: one more line of output, then the job has ended."""
+
+        def __call__(self, command, **options):
+            if command[:2] == ["scontrol", "show"] and any(call[:2] == command[:2] for call in self.calls):
+                with log.open("a") as handle:
+                    handle.write("epoch 5 done\n")
+                self.jobs["7"]["JobState"] = "COMPLETED"
+            return super().__call__(command, **options)
+
+    monkeypatch.setattr(scheduler, "run_client", Ending({"7": _slurm_job(shared, "brats-1", "7")}))
+    job = scheduler.find_job("7", shared)
+    written = []
+    assert scheduler.job_logs(job, follow=True, lines=1, write=written.append, poll_s=0) == 0
+    assert "".join(written) == "line 9\nepoch 5 done\n"

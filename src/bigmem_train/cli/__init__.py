@@ -2,7 +2,8 @@
 
 The CLI layer: this module parses flags and turns errors into one line and an exit code;
 :mod:`.commands` runs each command and :mod:`.output` formats what it prints; :mod:`.remote` is
-``bigmem-train remote``. TensorFlow is imported only by the stages that train.
+``bigmem-train remote`` and :mod:`.slurm` ``bigmem-train slurm``. TensorFlow is imported only by the stages
+that train.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pydantic import ValidationError
 from bigmem_train import __version__
 from bigmem_train.cli import apply, commands
 from bigmem_train.cli import remote as remote_cli
+from bigmem_train.cli import slurm as slurm_cli
 from bigmem_train.config import Config, FootprintConfig, load_config, parse_override
 from bigmem_train.errors import BadInput, BigmemError
 
@@ -172,11 +174,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the partition's)",
     )
     submit.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="nodes for the job (default 1; more than one needs training.strategy multi_worker, "
+        "which submit does not start yet)",
+    )
+    submit.add_argument(
         "--dry-run", action="store_true", help="print the batch script and the plan; submit nothing"
     )
 
     apply.add_parsers(sub)
     remote_cli.add_parser(sub)
+    slurm_cli.add_parser(sub)
     return parser
 
 
@@ -274,7 +285,7 @@ def _submit(args: argparse.Namespace) -> int:
         "--run-name",
         args.run_name,
     ]
-    return submit_job(config, run_arguments, args.partition, args.time, args.dry_run)
+    return submit_job(config, run_arguments, args.partition, args.time, args.dry_run, nodes=args.nodes)
 
 
 def dispatch(args: argparse.Namespace) -> int:
@@ -301,4 +312,6 @@ def dispatch(args: argparse.Namespace) -> int:
         return remote_cli.dispatch(args)
     if command == "submit":
         return _submit(args)
+    if command == "slurm":
+        return slurm_cli.dispatch(args)
     raise BadInput(f"unknown command {command!r}")

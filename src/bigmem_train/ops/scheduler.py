@@ -8,14 +8,20 @@ partition's nodes (``sinfo`` RealMemory) is refused before anything is submitted
 
 from __future__ import annotations
 
+import glob
 import math
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from time import monotonic, sleep
+from typing import Any
+
+import yaml
 
 from bigmem_train.config import Config
 from bigmem_train.errors import BadInput, DoesNotFit
@@ -63,8 +69,9 @@ def mem_request_mib(plan: JobPlan) -> int:
     return math.ceil(plan.peak_bytes * (1 + PLAN_COVERAGE) / MIB)
 
 
-def _slurm(command: Sequence[str], stdin: str | None = None) -> str:
-    """Run a Slurm client; BadInput (one line) when it is missing, hangs or fails."""
+def _slurm(command: Sequence[str], stdin: str | None = None, unknown: str | None = None) -> str:
+    """Run a Slurm client; BadInput (one line) when it is missing, hangs or fails. ``unknown``: an error
+    message that is an answer, not a failure (``Invalid job id``): "" is returned for it."""
     try:
         done = run_client(
             list(command), input=stdin, capture_output=True, text=True, timeout=_TIMEOUT_S, check=False
@@ -75,6 +82,8 @@ def _slurm(command: Sequence[str], stdin: str | None = None) -> str:
         ) from None
     except subprocess.TimeoutExpired:
         raise BadInput(f"{command[0]} did not answer within {_TIMEOUT_S} s: is slurmctld running?") from None
+    if done.returncode != 0 and unknown and unknown in (done.stderr or ""):
+        return ""
     if done.returncode != 0:
         detail = " ".join((done.stderr or done.stdout or "").split()) or f"exit code {done.returncode}"
         raise BadInput(f"{' '.join(command[:2])}: {detail}")
@@ -111,7 +120,34 @@ def _names() -> str:
         text = _slurm(["sinfo", "-h", "-o", "%P"])
     except BadInput:
         return "?"
-    return ", ".join(sorted({line.strip() for line in text.splitlines() if line.strip()})) or "none"
+    # sinfo marks the default partition "name*".
+    return (
+        ", ".join(sorted({line.strip().rstrip("*") for line in text.splitlines() if line.strip()})) or "none"
+    )
+
+
+def check_nodes(nodes: int, strategy: str) -> None:
+    """BadInput unless ``nodes`` can carry a job of ``strategy``; asks Slurm nothing (checked first)."""
+    if nodes < 1:
+        raise BadInput(f"--nodes {nodes}: give 1 or more")
+    if nodes > 1 and strategy != "multi_worker":
+        raise BadInput(
+            f"--nodes {nodes}: training.strategy is {strategy}, which trains on one node; "
+            f"a job on several nodes needs training.strategy multi_worker"
+        )
+
+
+def check_nodes_in_partition(nodes: int, strategy: str, partition: Partition) -> None:
+    """BadInput when the partition has fewer than ``nodes`` nodes, or the job needs workers ``submit``
+    cannot start yet (one batch task on one node; srun does not start multi_worker's workers)."""
+    if nodes > partition.nodes:
+        raise BadInput(f"--nodes {nodes}: partition {partition.name} has {partition.nodes} node(s)")
+    if strategy == "multi_worker":
+        raise BadInput(
+            f"training.strategy multi_worker (--nodes {nodes}): submit starts one task on one node and does "
+            f"not start multi-worker jobs yet; use `bigmem-train remote start GROUP` "
+            f"(docs/guides/remote-and-scale-out.md)"
+        )
 
 
 def check_fits_partition(plan: JobPlan, partition: Partition) -> None:
@@ -141,6 +177,10 @@ def batch_script(
     workdir: Path,
 ) -> str:
     """The rendered batch script (``templates/slurm_job.sh.j2``)."""
+    for path in (output, workdir):
+        # The #SBATCH lines quote paths (a space is common); sbatch has no escape for a quote inside.
+        if '"' in str(path) or "\n" in str(path):
+            raise BadInput(f"{path}: a path with a double quote or a newline cannot go into an #SBATCH line")
     return render(
         TEMPLATE,
         {
@@ -187,6 +227,7 @@ def submit_job(
     time: str | None,
     dry_run: bool,
     print_line: Callable[[str], None] = print,
+    nodes: int = 1,
 ) -> int:
     """``bigmem-train submit``: plan, check against the partition, render, and submit (or print).
 
@@ -196,10 +237,12 @@ def submit_job(
     from bigmem_train.memory.plan import plan_job
 
     time = check_time(time) if time else None
+    check_nodes(nodes, config.training.strategy)
     host = read_host_facts()
     # Planned for the partition's nodes, not this host: a percent target is still of this host's memory.
     plan = plan_job(config, host, to_run_here=False)
     partition = read_partition(partition_name)
+    check_nodes_in_partition(nodes, config.training.strategy, partition)
     check_fits_partition(plan, partition)
     results = Path(config.output.results_dir).resolve()
     run_name = config.output.run_name
@@ -222,3 +265,245 @@ def submit_job(
     job_id = submit(script)
     print_line(job_id)
     return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# A submitted job: ``bigmem-train slurm status|logs|stop|fetch JOB``
+
+# Slurm's job states (squeue(1), JOB STATE CODES) after which the job holds no resources any more.
+ENDED = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "REVOKED",
+        "SPECIAL_EXIT",
+        "TIMEOUT",
+    }
+)
+# scontrol prints these fields alone on their line, with any spaces the value has.
+_WHOLE_LINE_FIELDS = ("Command=", "WorkDir=", "StdErr=", "StdIn=", "StdOut=", "Comment=")
+_STOP_WAIT_S = 60
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """A job ``submit`` made: its id, its run (name and directory on the shared results folder), its log
+    (``RESULTS/NAME.slurm-JOBID.out``) and what ``scontrol show job`` says ({} once Slurm forgot it)."""
+
+    job_id: str
+    run_name: str
+    run_dir: Path
+    log: Path
+    fields: dict[str, str]
+
+    @property
+    def state(self) -> str | None:
+        """Slurm's JobState (``RUNNING``, ``FAILED``, ...); None when Slurm no longer lists the job."""
+        return self.fields.get("JobState") or None
+
+    @property
+    def active(self) -> bool:
+        return self.state is not None and self.state not in ENDED
+
+
+def show_job(job_id: str) -> dict[str, str]:
+    """``scontrol show job JOBID`` as a dict; {} when Slurm does not know the job (never did, or it ended
+    longer ago than the cluster's MinJobAge)."""
+    text = _slurm(["scontrol", "show", "job", job_id], unknown="Invalid job id")
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith(_WHOLE_LINE_FIELDS):
+            key, _, value = line.partition("=")
+            fields[key] = value
+            continue
+        for part in line.split():
+            key, _, value = part.partition("=")
+            fields.setdefault(key, value)
+    return fields
+
+
+def find_job(reference: str, results_dir: Path) -> SlurmJob:
+    """The job ``reference`` names: a job id, or a run name (its newest job). Slurm says where its log and
+    run directory are while it lists the job; after that, the log's name in ``results_dir`` does."""
+    results_dir = Path(results_dir)
+    if reference.isdigit():
+        job_id = reference
+    else:
+        listed = _slurm(["squeue", "-h", "-t", "all", "--name", reference, "-o", "%i"]).split()
+        logged = [
+            path.name.removeprefix(f"{reference}.slurm-").removesuffix(".out")
+            for path in results_dir.glob(f"{glob.escape(reference)}.slurm-*.out")
+        ]
+        ids = [job_id for job_id in [*listed, *logged] if job_id.isdigit()]
+        if not ids:
+            raise BadInput(
+                f"no Slurm job named {reference}: squeue lists none and {results_dir} has no "
+                f"{reference}.slurm-JOBID.out (give the results folder with --results)"
+            )
+        job_id = max(ids, key=int)
+    fields = show_job(job_id)
+    if fields:
+        name, log = fields.get("JobName", ""), Path(fields.get("StdOut", ""))
+        if log.name != f"{name}.slurm-{job_id}.out":
+            raise BadInput(
+                f"Slurm job {job_id} ({name}) was not submitted by bigmem-train submit (its output is {log})"
+            )
+        return SlurmJob(job_id, name, log.parent / name, log, fields)
+    found = sorted(results_dir.glob(f"*.slurm-{job_id}.out"))
+    if not found:
+        raise BadInput(
+            f"Slurm job {job_id}: Slurm no longer lists it and {results_dir} has no *.slurm-{job_id}.out "
+            f"(give the results folder with --results)"
+        )
+    name = found[0].name.removesuffix(f".slurm-{job_id}.out")
+    return SlurmJob(job_id, name, results_dir / name, found[0], {})
+
+
+def run_progress(run_dir: Path, running: bool) -> dict[str, Any]:
+    """What the run directory says of the run: its state, epoch and step, last epoch, memory, verdict
+    (the keys :func:`bigmem_train.ops.status.format_status` shows)."""
+    from bigmem_train.verdict.rundir import read_history, read_memory_csv, read_record, read_state
+
+    if not run_dir.is_dir():
+        return {}
+    state = read_state(run_dir)
+    report: dict[str, Any] = {"run_state": state.get("state"), "error": state.get("error")}
+    if state.get("stopped") == "memory":
+        report["error"] = state.get("message")
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        report["epochs"] = int(config["training"]["epochs"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        report["epochs"] = None
+    progress = read_record(run_dir / "progress.json")
+    if progress:
+        report["epoch"] = int(progress.get("epoch", 0)) + 1
+        report["step"] = progress.get("step")
+        report["steps_per_epoch"] = progress.get("steps_per_epoch")
+    history = read_history(run_dir / "history.csv")
+    if history:
+        report["last_epoch"] = history[-1]
+    rss = [row["rss_bytes"] for row in read_memory_csv(run_dir / "memory.csv") if "rss_bytes" in row]
+    peak = max([*rss, float(read_record(run_dir / "metrics.json").get("peak_rss_bytes") or 0)])
+    if peak:
+        report["peak_rss_bytes"] = int(peak)
+        report["live_rss_bytes"] = int(rss[-1]) if running and rss else 0
+    verdict = read_record(run_dir / "verdict.json")
+    if verdict:
+        report["verdict"] = verdict.get("verdict")
+    return report
+
+
+def job_status(job: SlurmJob) -> dict[str, Any]:
+    """Slurm's view of the job (state, reason, node, exit code) and its run directory's (see run_progress)."""
+    exit_code, _, signal = job.fields.get("ExitCode", "").partition(":")
+    reason = job.fields.get("Reason")
+    report: dict[str, Any] = {
+        "job_id": job.job_id,
+        "name": job.run_name,
+        "state": job.state,
+        "reason": None if reason in (None, "", "None") else reason,
+        "host": job.fields.get("BatchHost") or None,
+        "exit_code": int(exit_code) if job.state in ENDED and exit_code.isdigit() else None,
+        "signal": int(signal) if signal.isdigit() and int(signal) else None,
+        "run_dir": str(job.run_dir),
+        "log": str(job.log),
+    }
+    report.update(run_progress(job.run_dir, running=job.state == "RUNNING"))
+    return report
+
+
+def format_job_status(report: dict[str, Any]) -> str:
+    """The status as text: Slurm's line, then the run's lines as ``bigmem-train remote status`` shows them."""
+    from bigmem_train.ops.status import format_status
+
+    state = report["state"] or "no longer listed by Slurm (see sacct)"
+    if report.get("reason"):
+        state += f" ({report['reason']})"
+    if report.get("host"):
+        state += f" on {report['host']}"
+    if report.get("exit_code") is not None:
+        state += f", exit code {report['exit_code']}"
+    if report.get("signal"):
+        state += f", signal {report['signal']}"
+    # format_status's first line names a host and the remote job's state; Slurm's line replaces it.
+    run_lines = format_status({**report, "exit_code": None}).splitlines()[1:]
+    return "\n".join(
+        [f"{report['name']}: Slurm job {report['job_id']} {state}", *run_lines, f"  log: {report['log']}"]
+    )
+
+
+def job_logs(
+    job: SlurmJob,
+    follow: bool = False,
+    lines: int | None = None,
+    write: Callable[[str], Any] | None = None,
+    poll_s: float = 1.0,
+) -> int:
+    """Print the job's output file (the last ``lines``); with ``follow``, until Slurm says the job ended."""
+    write = write or sys.stdout.write
+    while not job.log.exists():
+        if not (follow and job.active):
+            print(
+                f"{job.run_name}: Slurm job {job.job_id} is {job.state or 'not listed'}; no output yet ({job.log})",
+                file=sys.stderr,
+            )
+            return 0
+        sleep(poll_s)
+        job = replace(job, fields=show_job(job.job_id))
+    with open(job.log, errors="replace") as handle:
+        text = handle.read()
+        if lines is not None:
+            text = "".join(text.splitlines(keepends=True)[-lines:] if lines > 0 else [])
+        write(text)
+        while follow and job.active:
+            sleep(poll_s)
+            job = replace(job, fields=show_job(job.job_id))
+            write(handle.read())
+        sys.stdout.flush()
+    return 0
+
+
+def stop_job(job: SlurmJob, wait_s: float = _STOP_WAIT_S) -> str:
+    """``scancel`` the job (Slurm sends SIGTERM, then SIGKILL after its KillWait) and wait for it to end.
+    Its run directory stays: submitting the same config and run name again resumes it from its last epoch."""
+    if not job.active:
+        return f"{job.run_name}: Slurm job {job.job_id} is not running ({job.state or 'no longer listed'})"
+    _slurm(["scancel", job.job_id])
+    deadline = monotonic() + wait_s
+    while job.active and monotonic() < deadline:
+        sleep(0.5)
+        job = replace(job, fields=show_job(job.job_id))
+    ended = job.state if not job.active else f"{job.state}, still ending"
+    return (
+        f"{job.run_name}: Slurm job {job.job_id} cancelled ({ended}); "
+        f"submit it again with the same config and --run-name {job.run_name} to resume it"
+    )
+
+
+def fetch_job(job: SlurmJob, to_dir: Path, checkpoints: bool = True) -> Path:
+    """Copy the job's run directory (without the transient backup/) and its log (as job.log) into
+    ``to_dir/RUN_NAME``, as ``bigmem-train remote fetch`` does."""
+    if not job.run_dir.is_dir():
+        raise BadInput(f"Slurm job {job.job_id} has no run directory yet ({job.run_dir})")
+    destination = Path(to_dir).expanduser() / job.run_name
+    if destination.resolve() == job.run_dir.resolve():
+        raise BadInput(f"--to {to_dir}: that is where the run directory is already")
+    skip = {"backup"} | (set() if checkpoints else {"checkpoints"})
+    top = str(job.run_dir)
+    shutil.copytree(
+        job.run_dir,
+        destination,
+        ignore=lambda folder, names: [name for name in names if folder == top and name in skip],
+        dirs_exist_ok=True,
+    )
+    if job.log.is_file():
+        shutil.copyfile(job.log, destination / "job.log")
+    return destination
