@@ -26,11 +26,14 @@ hostname=bigmem-lab-01
 # writes daemon.json and enables and starts the service. python3-apt lets Ansible's apt module run without installing it.
 # python3-requests (the docker_engine role's Python dependency) likewise: the image's apt lists are
 # cleaned, so the role could not fetch it inside the VM (seen in a lab converge).
+# Slurm and munge likewise for the slurm role (tests/lab/test_slurm_role.py): the role installs them with apt,
+# which finds them present.
 packages=(
   systemd-sysv udev dbus kmod initramfs-tools linux-image-amd64 grub-pc
   openssh-server sudo python3 python3-apt ca-certificates
   iproute2 iputils-ping procps less numactl
   docker.io python3-requests
+  slurmctld slurmd slurm-client munge
 )
 
 mkdir -p "$out"

@@ -110,6 +110,7 @@ def test_site_reads_like_a_table_of_contents():
         "bigmem_reboot",
         "bigmem_docker_engine",
         "bigmem_image",
+        "bigmem_slurm",
         "bigmem_train",
     ]
     assert all(role.get("tags") for role in roles)
