@@ -1,16 +1,20 @@
 """`ansible-playbook site.yml` for real on the virtual bare-metal lab, from the repository root, as an
-admin meets it on a fresh server:
+admin meets it on a fresh server. Every command of the lab's shell blocks (README.md's and the provisioning
+guide's, tests/fixtures/doc_blocks.py) runs here as written: the admin's edit of inventory.ini is the lab's
+inventory (given by ANSIBLE_INVENTORY; the repository's file stays as shipped), the BMC secrets the lab BMC's.
 
 0. `--check --diff` on the fresh VM before anything (BIOS per-attribute diff; image and job roles on a
    host whose Docker engine does not run yet): must succeed and change nothing;
-1. the first converge with the defaults (`bigmem_allow_reboot` false): BIOS values staged (pending on the
-   iDRAC-like emulator), the kernel command line written, "REBOOT REQUIRED" reported, and the engine, the
-   image and the job run anyway (the image and the job on the test machine's own Docker daemon);
+1. the first converge with the defaults (`--limit bigmem`, `bigmem_allow_reboot` false): BIOS values staged
+   (pending on the iDRAC-like emulator), the kernel command line written, "REBOOT REQUIRED" reported, and the
+   engine installed; beside it `--limit demo`: the image and the job on the test machine's own Docker daemon
+   (and again beside each later converge);
 2. the rerun the report asks for, `-e bigmem_allow_reboot=true`, while the BIOS values are still pending:
    nothing staged again (the emulator refuses a second PATCH, as iDRAC does), one reboot through the OS
    (not the BMC), the pending values applied at that reset, facts gathered again, everything verified;
-3. a converge that must change nothing, then 4. a `--check --diff` run that must be clean;
-5. a rerun while a (longer) job runs on the demo host: it reports the job and leaves it running.
+3. the same command again, beside `--limit demo` (its third run): both must change nothing; 4. a
+   `--check --diff` run that must be clean; 5. one stage by its tag (`--tags os_tuning`): changes nothing;
+6. a rerun while a (longer) job runs on the demo host: it reports the job and leaves it running.
 Then checks on the VM itself.
 """
 
@@ -29,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.common import REPO_ROOT
+from tests.fixtures.doc_blocks import WHERE, all_blocks, strip_comment
 from tests.fixtures.lab import SYSTEM_NAME, TIMEOUT_SCALE, lab_cache_dir
 
 pytestmark = [
@@ -71,11 +76,18 @@ class PlaybookRun:
         return {host: counts["changed"] for host, counts in self.recap.items()}
 
 
-def run_site(inventory: Path, env: dict[str, str], *extra: str, log: Path) -> PlaybookRun:
-    command = [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "site.yml", *extra]
+def run_site(
+    inventory: Path, env: dict[str, str], *extra: str, log: Path, shell: str | None = None
+) -> PlaybookRun:
+    """``ansible-playbook -i inventory site.yml *extra``, or ``shell`` (a documented command, run by bash as
+    written: the inventory then comes from ``env``'s ANSIBLE_INVENTORY)."""
+    if shell is None:
+        command = [str(ANSIBLE_PLAYBOOK), "-i", str(inventory), "site.yml", *extra]
+    else:
+        command = ["bash", "-c", shell]
     started = time.monotonic()
     with open(log, "w") as handle:  # streamed, so a slow or interrupted run can be followed
-        handle.write(f"$ {' '.join(command)}\n")
+        handle.write(f"$ {shell if shell is not None else ' '.join(command)}\n")
         handle.flush()
         result = subprocess.run(
             command,
@@ -93,6 +105,35 @@ def run_site(inventory: Path, env: dict[str, str], *extra: str, log: Path) -> Pl
         for m in RECAP_LINE.finditer(output)
     }
     return PlaybookRun(result.returncode, output, seconds, recap)
+
+
+# The plays of the lab's shell blocks, as README.md and docs/guides/provisioning.md write them: the fixture runs
+# these; test_every_command_of_the_lab_blocks_ran fails when a block holds a command the fixture did not run.
+CHECK = "ansible-playbook site.yml --limit bigmem --check --diff"
+CONVERGE = "ansible-playbook site.yml --limit bigmem"
+REBOOT = "ansible-playbook site.yml --limit bigmem -e bigmem_allow_reboot=true"
+DEMO = "ansible-playbook site.yml --limit demo"
+TAGS = "ansible-playbook site.yml --limit bigmem --tags os_tuning"
+SECRETS = "export BIGMEM_BMC_USERNAME=... BIGMEM_BMC_PASSWORD=..."
+
+
+def _normal(command: str) -> str:
+    return " ".join(strip_comment(command).split())
+
+
+def _lab_doc_commands() -> list[str]:
+    """Every command of the shell blocks CI runs in the lab stage, comments dropped, in the pages' order."""
+    blocks = [block for block in all_blocks() if WHERE[block.key].stage == "lab"]
+    return [strip_comment(command) for block in blocks for command in block.commands]
+
+
+def _secrets_line(bmc) -> str:
+    """README's line that exports the BMC secrets, with the lab BMC's for its placeholders."""
+    import shlex
+
+    return SECRETS.replace("USERNAME=...", f"USERNAME={shlex.quote(bmc.username)}").replace(
+        "PASSWORD=...", f"PASSWORD={shlex.quote(bmc.password)}"
+    )
 
 
 def _tail(run: PlaybookRun, characters: int = 6000) -> str:
@@ -220,14 +261,47 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
         "ANSIBLE_SSH_CONTROL_PATH_DIR": str(workdir / "cp"),
         "ANSIBLE_LOCAL_TEMP": str(workdir / "tmp"),
     }
-    limit = [] if docker_for_demo is None else ["--limit", "bigmem"]
+    env.pop("ANSIBLE_CONFIG", None)  # the root ansible.cfg, as for the admin typing the README's command
+    env["ANSIBLE_INVENTORY"] = str(inventory)  # the admin's edit of inventory.ini: the lab's hosts
+    env["EDITOR"] = "true"
+    secrets = _secrets_line(lab_bmc)
+    doc_runs: dict[str, tuple[int, str]] = {}  # each documented command: (exit code, where it ran)
+    demo = docker_for_demo is None
+
+    def play(command: str, step: str) -> PlaybookRun:
+        """A documented play, as written, after the block's own lines (the venv, the BMC secrets)."""
+        run = run_site(
+            inventory,
+            env,
+            log=workdir / f"{step}.log",
+            shell=f". .venv/bin/activate && {secrets} && {command}",
+        )
+        doc_runs.setdefault(_normal(command), (run.returncode, step))
+        return run
+
+    def beside_demo(command: str, step: str) -> tuple[PlaybookRun, PlaybookRun | None]:
+        """``command`` and, where the demo host has a Docker daemon, `--limit demo` at the same time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            server = pool.submit(play, command, step)
+            local = pool.submit(play, DEMO, f"{step}-demo") if demo else None
+            return server.result(), local.result() if local else None
+
+    # The blocks' other lines (setup, venv, the inventory edit, the secrets), each once, as written.
+    for command in _lab_doc_commands():
+        if not command.startswith("ansible-playbook") and _normal(command) not in doc_runs:
+            line = secrets if command == SECRETS else command
+            done = subprocess.run(
+                ["bash", "-c", line], cwd=REPO_ROOT, env=env, capture_output=True, text=True
+            )
+            doc_runs[_normal(command)] = (done.returncode, "prelude: " + (done.stdout + done.stderr)[-500:])
     load_before = os.getloadavg()
     boot_ids = {"start": lab_vm.boot_id()}
     start_bios = _bios(
         lab_bmc
     )  # test_lab.py may have changed BootMode before (a value the profile leaves alone)
     bmc_log = {}
-    env.pop("ANSIBLE_CONFIG", None)  # the root ansible.cfg, as for the admin typing the README's command
     # 0. A dry run on the fresh VM, with the image and job roles on it too (its engine is not running yet).
     fresh_check = run_site(
         inventory,
@@ -247,25 +321,22 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
         "bios": _bios(lab_bmc),
         "grub_dropin": lab_vm.run("test -e /etc/default/grub.d/bigmem.cfg", check=False).returncode == 0,
     }
-    # 1. The first converge with the defaults: no reboot allowed.
-    first = run_site(inventory, env, *limit, log=workdir / "converge-1.log")
+    # 1. The first converge with the defaults: no reboot allowed; the demo host's image and job beside it.
+    first, demo_first = beside_demo(CONVERGE, "converge-1")
     boot_ids["after_first"] = lab_vm.boot_id()
     after_first = {"bios": _bios(lab_bmc)}
-    second = third = check = None
+    second = third = demo_third = check = tags = None
     if first.returncode == 0:
         # 2. The rerun the report asks for, with the BIOS values still pending.
         bmc_log["before_second"] = len(lab_bmc.log.read_text(errors="replace"))
-        second = run_site(
-            inventory, env, *limit, "-e", "bigmem_allow_reboot=true", log=workdir / "converge-2.log"
-        )
+        second, _ = beside_demo(REBOOT, "converge-2")  # the demo host's second converge may still fetch
         bmc_log["second"] = lab_bmc.log.read_text(errors="replace")[bmc_log["before_second"] :]
         boot_ids["after_second"] = lab_vm.boot_id()
     if second is not None and second.returncode == 0:
-        third = run_site(
-            inventory, env, *limit, "-e", "bigmem_allow_reboot=true", log=workdir / "converge-3.log"
-        )
+        third, demo_third = beside_demo(REBOOT, "converge-3")
     if third is not None and third.returncode == 0:
-        check = run_site(inventory, env, *limit, "--check", "--diff", log=workdir / "check-diff.log")
+        check = play(CHECK, "check-diff")
+        tags = play(TAGS, "tags-os-tuning")
     timings = {
         "accel": lab_vm.accel,
         "vm_boot_seconds": round(lab_vm.boot_seconds, 1),
@@ -273,7 +344,9 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
         "first_converge_seconds": round(first.seconds, 1),
         "second_converge_seconds": round(second.seconds, 1) if second else None,
         "third_converge_seconds": round(third.seconds, 1) if third else None,
+        "demo_first_converge_seconds": round(demo_first.seconds, 1) if demo_first else None,
         "check_diff_seconds": round(check.seconds, 1) if check else None,
+        "tags_os_tuning_seconds": round(tags.seconds, 1) if tags else None,
         "hosts": sorted(first.recap),
         # The times are upper bounds when other work shares the machine: its load (1, 5, 15 min) then.
         "load_average_before": [round(value, 2) for value in load_before],
@@ -289,7 +362,11 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
         "after_first": after_first,
         "second": second,
         "third": third,
+        "demo_first": demo_first,
+        "demo_third": demo_third,
         "check": check,
+        "tags": tags,
+        "doc_runs": doc_runs,
         "boot_ids": boot_ids,
         "bmc_log_second": bmc_log.get("second", ""),
         "inventory": inventory,
@@ -360,6 +437,36 @@ def test_third_converge_changes_nothing(site):
     assert third.returncode == 0, _tail(third)
     assert third.changed() == dict.fromkeys(third.recap, 0), _tail(third)
     assert "REBOOT REQUIRED" not in third.output, _tail(third)
+    demo = site["demo_third"]
+    if demo is not None:  # the demo host's second converge: its job has its PASS, nothing runs again
+        assert demo.returncode == 0, _tail(demo)
+        assert demo.recap["local"]["changed"] == 0, _tail(demo)
+
+
+def test_one_stage_by_its_tag_changes_nothing(site):
+    tags = site["tags"]
+    assert tags is not None, "an earlier converge failed"
+    assert tags.returncode == 0, _tail(tags)
+    assert tags.changed() == dict.fromkeys(tags.recap, 0), _tail(tags)
+    roles = set(re.findall(r"^TASK \[(\w+) : ", tags.output, re.M))
+    assert "bigmem_os_tuning" in roles and roles <= {
+        "bigmem_preflight",
+        "bigmem_os_tuning",
+        "bigmem_reboot",
+    }, roles
+
+
+def test_every_command_of_the_lab_blocks_ran(site):
+    """README.md's and the provisioning guide's lab blocks, every command as written, with exit code 0."""
+    commands = _lab_doc_commands()
+    assert len(commands) >= 10 and CHECK in map(_normal, commands), commands
+    runs = site["doc_runs"]
+    if site["docker_skip"]:
+        commands = [command for command in commands if _normal(command) != DEMO]
+    missing = [command for command in commands if _normal(command) not in runs]
+    assert not missing, f"documented commands the lab did not run: {missing}"
+    failed = {command: runs[_normal(command)] for command in commands if runs[_normal(command)][0] != 0}
+    assert not failed, failed
 
 
 def test_check_diff_is_clean(site):
@@ -401,7 +508,7 @@ def test_vm_docker_engine_runs(site, lab_vm):
 def test_job_verdict_passes(site):
     if site["docker_skip"]:
         pytest.skip(f"image and job roles not run: {site['docker_skip']}")
-    assert site["first"].returncode == 0, "the first converge failed"
+    assert site["demo_first"].returncode == 0, _tail(site["demo_first"])
     verdicts = list((site["workdir"] / "results" / "fetched").rglob("verdict.json"))
     assert verdicts, "no run directory was fetched to the controller"
     for path in verdicts:
