@@ -11,7 +11,7 @@ Paths: a training step of the kit's U-Net (16 filters, depth 4, batch 1, Adam, t
 the study's tile (240x240x144; the study's batch 16 is 16 times the FLOPs of the same per-sample work, too slow
 for a 2-core machine), float32 and mixed_bfloat16; and the kit's predict engine (infer/engine.py, each engine and
 precision) on the whole 240x240x155 volume of benchmarks/inference_speed.py, padded to 240x240x160 (the engine
-call predict makes per case; its NIfTI read and write, about 0.35 s, left out). FLOPs from model/flops.py (the
+call predict makes per case; its NIfTI read and write, about 0.35 s, left out). FLOPs from memory/flops.py (the
 layer table). Shares are judged by process CPU time (the rate had the cores been the process's own), as the
 2-core machine is shared; wall rates are kept beside them. Where a path is under ``SLOW_SHARE`` of its
 precision's peak, each multiply-add layer is timed alone at its shape (TensorFlow: forward and the gradients
@@ -205,8 +205,8 @@ def worker_train(spec: dict) -> dict:
     import numpy as np
     import tensorflow as tf
 
+    from bigmem_train.memory import flops as model_flops
     from bigmem_train.memory import layers
-    from bigmem_train.model import flops as model_flops
     from bigmem_train.model.unet import compile_model
 
     _tensorflow_threads(tf)
@@ -241,8 +241,8 @@ def worker_layers(spec: dict) -> dict:
     a training step computes (the input gradient only where the step needs it)."""
     import tensorflow as tf
 
+    from bigmem_train.memory import flops as model_flops
     from bigmem_train.memory import layers
-    from bigmem_train.model import flops as model_flops
     from bigmem_train.model.upconv import FoldedUpConv
 
     _tensorflow_threads(tf)
@@ -429,8 +429,8 @@ def run_predict(args) -> dict:
     import inference_speed
 
     from bigmem_train.config import load_config
+    from bigmem_train.memory import flops as model_flops
     from bigmem_train.memory import layers
-    from bigmem_train.model import flops as model_flops
 
     config = load_config(None, {"model.depth": MODEL["depth"], "model.base_filters": MODEL["base_filters"]})
     flops = model_flops.forward_flops(layers.layer_table(config), PREDICT_PADDED)

@@ -1,4 +1,4 @@
-"""The FLOP counter (model/flops.py) on a tiny U-Net counted by hand, on the layer table Keras builds for it,
+"""The FLOP counter (memory/flops.py) on a tiny U-Net counted by hand, on the layer table Keras builds for it,
 and against TensorFlow's own profiler count of the forward convolutions."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bigmem_train.config import Config, ModelConfig
-from bigmem_train.model import flops
+from bigmem_train.memory import flops
 
 # The tiny U-Net: depth 1, 2 base filters, 1 input channel, 1 class, at 8x8x8 (512 voxels; 64 below the pool).
 TINY = ModelConfig(depth=1, base_filters=2, batch_norm=False)

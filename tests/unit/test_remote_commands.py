@@ -128,7 +128,7 @@ def test_remote_predict_passes_predicts_options_on():
     )
     assert args.host == "lab"  # not clobbered by --target, predict's option
     assert predict_option_flags(args) == [
-        "--subset", "test", "--engine", "auto", "--precision", "float32", "--tta",
+        "--subset", "test", "--engine", "auto", "--precision", "auto", "--tta",
         "--target", "8GiB", "--tile", "8,8,8",
     ]  # fmt: skip
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 from bigmem_train.errors import EXIT_PASS, BadInput
@@ -73,9 +74,12 @@ def add_predict_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--precision",
-        choices=["float32", "bfloat16"],
-        default="float32",
-        help="bfloat16 where the CPU has it natively (AMX, AVX512_BF16): faster, half the activations",
+        choices=["auto", "float32", "bfloat16", "int8"],
+        default="auto",
+        help="auto (the default): the fastest of int8 (VNNI or AMX, OpenVINO engine, the int8 extra: NNCF) and "
+        "bfloat16 (AMX, AVX512_BF16) the CPU runs natively whose masks on the run's validation cases stay "
+        "within a Dice gate of float32's (checked once per model, cached beside it), else float32; float32 or "
+        "bfloat16: that precision, no gate; int8: quantized by NNCF, refused (exit 1) when it misses the gate",
     )
 
 
@@ -113,6 +117,7 @@ def _shape(text: str | None) -> tuple[int, int, int] | None:
 def predict_command(args: argparse.Namespace) -> int:
     from bigmem_train.host import read_cpu_flags
     from bigmem_train.infer.engine import check_precision, resolve_engine
+    from bigmem_train.infer.precision import choose_precision
     from bigmem_train.infer.predict import (
         PredictRequest,
         check_outputs,
@@ -124,8 +129,13 @@ def predict_command(args: argparse.Namespace) -> int:
 
     # The flags first (a second), then the model and the images' headers, then the outputs: all before
     # planning, and planning before any image is read whole or the model is loaded.
-    resolve_engine(args.engine)
-    check_precision(args.precision, read_cpu_flags())
+    engine = resolve_engine(args.engine)
+    cpu_flags = read_cpu_flags()
+    check_precision(args.precision, cpu_flags)
+    if args.precision == "int8":
+        from bigmem_train.infer.int8 import check_int8
+
+        check_int8(engine, cpu_flags)  # the engine, NNCF and the CPU's int8 dot product
     tile = _shape(args.tile)
     source = resolve_model(args.model, args.config)
     only = validation_names(source) if args.subset == "validation" else None
@@ -139,10 +149,18 @@ def predict_command(args: argparse.Namespace) -> int:
         target=args.target,
         tile=tile,
         engine=args.engine,
-        precision=args.precision,
+        # auto is planned as float32, the larger: what cannot fit is refused before the gate runs.
+        precision="float32" if args.precision == "auto" else args.precision,
     )
     check_outputs(request)
     plans = plan_cases(request)
+    dataset_dirs = [Path(spec) for spec in args.data if (Path(spec) / "dataset.json").is_file()]
+    choice = choose_precision(request, args.precision, cpu_flags, dataset_dirs, run=not args.plan)
+    if choice.precision != request.precision:
+        request = replace(request, precision=choice.precision)
+        plans = plan_cases(request)
+    request = replace(request, precision_choice=choice.record())
+    print(f"bigmem-train: precision {choice.precision} ({choice.reason})", flush=True)
     for case in cases:
         print(f"bigmem-train: plan {plans[case.name].describe()}", flush=True)
     if resolve_engine(args.engine) == "openvino":
@@ -156,7 +174,7 @@ def predict_command(args: argparse.Namespace) -> int:
     summary = predict(request, plans)
     peaks = [case["peak_rss_bytes"] for case in summary["cases"].values()]
     peak = f", process peak {format_bytes(max(peaks))}" if peaks else ""
-    print(f"PREDICTED {len(summary['cases'])} case(s) in {args.out}{peak}")
+    print(f"PREDICTED {len(summary['cases'])} case(s) in {args.out} ({choice.precision}){peak}")
     return EXIT_PASS
 
 

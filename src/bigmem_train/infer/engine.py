@@ -10,8 +10,10 @@ probabilities at any shape whose edges 2**depth divides.
 
 ``precision`` "bfloat16" computes in bfloat16 (TensorFlow: Keras' mixed_bfloat16 policy on every layer but
 the float32 output; OpenVINO: its inference precision hint) and is offered where the CPU has it natively
-(AMX or AVX512_BF16); "float32" is exact. ``auto`` picks OpenVINO when it is installed (the faster engine,
-docs/results/inference.md), else TensorFlow.
+(AMX or AVX512_BF16); "int8" is the OpenVINO model quantized by NNCF (:mod:`.int8`, made by
+:func:`.predict.make_predict_engine`); "float32" is exact. The engine ``auto`` picks OpenVINO when it is
+installed (the faster engine, docs/results/inference.md), else TensorFlow; the precision ``auto`` is decided
+by :mod:`.precision`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ import numpy as np
 from bigmem_train.errors import BadInput
 
 ENGINES = ("auto", "tensorflow", "openvino")
-PRECISIONS = ("float32", "bfloat16")
+# The precisions predict runs; int8 is the OpenVINO model quantized by NNCF (infer/int8.py).
+PRECISIONS = ("float32", "bfloat16", "int8")
+# ``--precision``: a precision, or ``auto`` (the fastest native one that passes the Dice gate, precision.py).
+PRECISION_CHOICES = ("auto", *PRECISIONS)
+# The CPU flags that make a precision native, fastest precision first; float32 is native everywhere. int8
+# needs a native int8 dot product (VNNI in AVX-512 or AVX, AMX's int8 tiles), bfloat16 AVX512_BF16 or AMX.
+NATIVE_FLAGS = {
+    "int8": frozenset({"avx512_vnni", "avx_vnni", "amx_int8"}),
+    "bfloat16": frozenset({"amx_bf16", "avx512_bf16"}),
+}
 _BFLOAT16_POLICY = {"module": "keras", "class_name": "DTypePolicy", "config": {"name": "mixed_bfloat16"}}
 
 
@@ -52,11 +63,17 @@ def resolve_engine(name: str) -> str:
     return name
 
 
-def check_precision(precision: str, cpu_flags) -> None:
-    if precision not in PRECISIONS:
-        raise BadInput(f"--precision {precision}: use one of {', '.join(PRECISIONS)}")
+def native_precisions(cpu_flags) -> list[str]:
+    """The precisions faster than float32 that this CPU (its ``cpu_flags``) computes natively, fastest first."""
     flags = set(cpu_flags or ())
-    if precision == "bfloat16" and not {"amx_bf16", "avx512_bf16"} & flags:
+    return [precision for precision, needs in NATIVE_FLAGS.items() if needs & flags]
+
+
+def check_precision(precision: str, cpu_flags) -> None:
+    """BadInput (exit 2) for a precision this CPU cannot run (int8's engine and NNCF: ``int8.check_int8``)."""
+    if precision not in PRECISION_CHOICES:
+        raise BadInput(f"--precision {precision}: use one of {', '.join(PRECISION_CHOICES)}")
+    if precision == "bfloat16" and precision not in native_precisions(cpu_flags):
         raise BadInput(
             "--precision bfloat16: this CPU has no native bfloat16 (AMX or AVX512_BF16); it would be emulated, "
             "slower than float32"
@@ -142,7 +159,8 @@ class OpenVINOEngine:
         return np.asarray(compiled(volume)[0], dtype=np.float32)
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """The first 20 hex digits of the file's SHA-256: names a model's converted copy and its precision gate."""
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         for block in iter(lambda: file.read(1 << 20), b""):
@@ -157,7 +175,7 @@ def converted_model(model_path: Path, converted: Callable[[dict], None] | None =
     read-only container)."""
     from bigmem_train.memory.layers import cache_dir
 
-    digest = _file_digest(model_path)
+    digest = file_digest(model_path)
     for root in (cache_dir() / "openvino", Path(tempfile.gettempdir()) / "bigmem-train-openvino"):
         target = root / digest / "model.xml"
         if target.is_file():

@@ -8,7 +8,8 @@ optionally averaged over the 8 mirrorings (``--tta``), cropped back, thresholded
 (several), and written as a uint8 NIfTI with the source's geometry. A case's file is written under a
 hidden partial name and renamed: an interrupted predict leaves no file that looks finished, and a rerun
 skips the cases already written. ``predict.json``, rewritten after every case, records how many cases were
-asked for and each case's plan, time and the process's peak.
+asked for, the precision that ran and why (:mod:`.precision` decides ``--precision auto`` before this
+runs), and each case's plan, time and the process's peak.
 
 Bad input is refused before the model loads (exit 2, one line): every header when the images are named
 (:mod:`.source`), every image to predict streamed once (whole, finite) after planning. A full output
@@ -35,7 +36,7 @@ from bigmem_train.data.prepare import prepare_image
 from bigmem_train.data.reader import _placement, check_channels, check_image_file
 from bigmem_train.errors import BadInput, BigmemError, DoesNotFit
 from bigmem_train.host import read_host_facts
-from bigmem_train.infer.engine import make_engine, resolve_engine
+from bigmem_train.infer.engine import PRECISIONS, make_engine, resolve_engine
 from bigmem_train.infer.nifti import (
     check_out_dir,
     like_source,
@@ -44,7 +45,13 @@ from bigmem_train.infer.nifti import (
     write_error,
 )
 from bigmem_train.infer.source import ImageCase, ModelSource
-from bigmem_train.memory.inference import InferencePlan, conversion_peak_bytes, plan_volume, tile_starts
+from bigmem_train.memory.inference import (
+    InferencePlan,
+    conversion_peak_bytes,
+    plan_volume,
+    quantization_peak_bytes,
+    tile_starts,
+)
 from bigmem_train.memory.layers import layer_table
 from bigmem_train.sizes import format_bytes, parse_size
 from bigmem_train.verdict.rundir import write_json
@@ -63,7 +70,11 @@ class PredictRequest:
     target: str | None = None
     tile: tuple[int, int, int] | None = None
     engine: str = "auto"
+    # The precision to run (float32, bfloat16 or int8); ``--precision auto`` is decided before by
+    # infer/precision.py, which also runs int8's gate.
     precision: str = "float32"
+    # predict.json's precision fields from that decision (PrecisionChoice.record); None: asked for as is.
+    precision_choice: dict | None = None
 
 
 def peak_rss_bytes() -> int:
@@ -134,8 +145,9 @@ def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
     for case in request.cases:
         check_channels(case.path, case.channels, config)
     limit, _ = limit_for(request.target, config.footprint.safety_margin)
+    # int8 is planned as float32 (memory/inference.py says why); bfloat16's forward pass holds bfloat16
+    # tensors: the layer table of the job in mixed precision.
     if request.precision == "bfloat16":
-        # The forward pass's tensors in bfloat16: the layer table of the job in mixed precision.
         config = config.model_copy(
             update={"runtime": config.runtime.model_copy(update={"precision": "mixed_bfloat16"})}
         )
@@ -157,12 +169,37 @@ def plan_cases(request: PredictRequest) -> dict[str, InferencePlan]:
                 f"OpenVINO's one-time conversion of the model needs about {format_bytes(conversion)}, more "
                 f"than the {format_bytes(limit)} planned for: use --engine tensorflow"
             )
+    if request.precision == "int8":
+        quantization = planned_quantization_bytes(request.source)
+        if quantization > limit:
+            raise DoesNotFit(
+                f"the one-time int8 quantization of the model needs about {format_bytes(quantization)}, more "
+                f"than the {format_bytes(limit)} planned for: use --precision bfloat16 or float32"
+            )
     return plans
 
 
 def planned_conversion_bytes(source: ModelSource) -> int:
     """The host's peak while OpenVINO converts the model (float32, once per model; memory/inference.py)."""
     return conversion_peak_bytes(layer_table(source.config))
+
+
+def planned_quantization_bytes(source: ModelSource) -> int:
+    """The host's peak while NNCF quantizes the model to int8 (once per model; memory/inference.py)."""
+    from bigmem_train.infer.int8 import CALIBRATION_CROPS
+
+    config = source.config
+    return quantization_peak_bytes(config, layer_table(config), CALIBRATION_CROPS)
+
+
+def make_predict_engine(request: PredictRequest):
+    """The engine for ``request.precision``: int8 is the OpenVINO model quantized once on the run's own
+    training crops (:mod:`.int8`), the others the saved model in float32 or bfloat16 (:mod:`.engine`)."""
+    if request.precision == "int8":
+        from bigmem_train.infer.int8 import make_int8_engine
+
+        return make_int8_engine(request.source, resolve_engine(request.engine))
+    return make_engine(request.engine, request.source.model_path, request.precision)
 
 
 def gaussian_weights(window: tuple[int, int, int], sigma_scale: float = 1 / 8) -> np.ndarray:
@@ -241,6 +278,10 @@ def labels_from(probabilities: np.ndarray) -> np.ndarray:
 def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = None, engine=None) -> dict:
     """Predict every case not yet written; returns (and writes) the summary."""
     config = request.source.config
+    if request.precision not in PRECISIONS:
+        raise ValueError(
+            f"precision {request.precision!r}: decide auto with infer.precision.choose_precision first"
+        )
     check_outputs(request)
     plans = plans if plans is not None else plan_cases(request)
     todo = [case for case in request.cases if not output_path(request.out_dir, case.name).exists()]
@@ -258,7 +299,11 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
             "model": str(request.source.model_path),
             "config": str(request.source.config_path),
             "engine": resolve_engine(request.engine),
-            "precision": request.precision,
+            "precision_requested": request.precision,
+            "precision_reason": "as asked",
+            "precision_gate": None,
+            **(request.precision_choice or {}),
+            "precision": request.precision,  # what runs, whatever the choice says
             "tta": request.tta,
             "label_mode": config.data.label_mode,
             "output_classes": config.model.output_classes,
@@ -268,9 +313,15 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
     # Written now and after every case: `remote status` reads how far a prediction is from it.
     _write_summary(summary_path, summary)
     if todo and engine is None:
-        engine = make_engine(request.engine, request.source.model_path, request.precision)
+        engine = make_predict_engine(request)
         if getattr(engine, "name", None) == "openvino":
             summary["conversion"] = _conversion_record(engine, request.source)
+            if request.precision == "int8":
+                summary["quantization"] = {
+                    "planned_peak_bytes": planned_quantization_bytes(request.source),
+                    "cached": engine.quantization is None,
+                    **(engine.quantization or {}),
+                }
             _write_summary(summary_path, summary)
     for number, case in enumerate(todo, start=1):
         plan = plans[case.name]
@@ -329,7 +380,8 @@ def _write_summary(path: Path, summary: dict) -> None:
 def _conversion_record(engine, source: ModelSource) -> dict:
     """OpenVINO's conversion of the model, planned and (when it ran now, not from the cache) measured."""
     planned = planned_conversion_bytes(source)
-    done = engine.conversion
+    # The int8 engine converts inside its quantization (int8.quantized_model): reported there.
+    done = getattr(engine, "conversion", None)
     record = {"planned_peak_bytes": planned, "cached": done is None}
     if done is not None:
         record.update(done)

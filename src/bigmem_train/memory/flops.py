@@ -13,7 +13,7 @@ of 4x4x4 taps on the level below plus a ones channel, and a 3x3x3 convolution of
 kernel's own 216 small products per step (under 1e-5 of a step) are left out. With ``model.recompute`` each
 recomputed layer's forward runs once more during backward.
 
-Reads the layer table only (``memory.layers``): no TensorFlow at import.
+Reads the layer table only (``layers``, beside it): no TensorFlow at import.
 """
 
 from __future__ import annotations

@@ -40,6 +40,16 @@ ENGINE_CONSTANTS = {
 # its envelope: this baseline plus this many bytes per parameter byte (1-4 % above each).
 CONVERSION_BASELINE_BYTES = int(0.64 * 2**30)
 CONVERSION_BYTES_PER_PARAMETER_BYTE = 5.0
+# int8 (NNCF's quantized OpenVINO model, infer/int8.py) is planned as float32: its weights are 1 byte, but
+# OpenVINO's CPU plugin keeps float32 activations between some of its int8 layers: each folded
+# up-convolution's two halves write float32 at the decoder level's full resolution, the bias half and the
+# 1x1 output run float32 (seen in the compiled runtime model's output precisions, OpenVINO 2026.4, on the
+# kit's U-Net). bfloat16's plan would not bound those tensors; float32's does.
+# The quantization's own peak (once per model): NNCF runs the float model on the calibration crops in the
+# predicting process after the float conversion's child has exited; planned as that conversion's envelope
+# plus the crops, one crop's float32 forward pass and two more copies of the weights (the clone NNCF
+# rewrites and the quantized model). On the kit's tiny U-Net NNCF raised a process's resident set by
+# 42 MiB (8 crops of 16^3), far inside this plan.
 # Overlap of neighbouring tiles, as a fraction of the tile (nnU-Net's default step of half a tile).
 TILE_OVERLAP = 0.5
 
@@ -218,3 +228,14 @@ def conversion_peak_bytes(table: list[dict[str, Any]]) -> int:
     predicting process's baseline."""
     child = CONVERSION_BASELINE_BYTES + int(CONVERSION_BYTES_PER_PARAMETER_BYTE * parameter_bytes(table))
     return child + ENGINE_CONSTANTS["openvino"][0]
+
+
+def quantization_peak_bytes(config: Config, table: list[dict[str, Any]], crops: int = 32) -> int:
+    """What the host holds while NNCF quantizes the model to int8 on ``crops`` calibration crops of the
+    training input shape (infer/int8.py's CALIBRATION_CROPS): the conversion's envelope, the crops, one
+    crop's float32 forward pass in OpenVINO and two more copies of the weights."""
+    _, factor = ENGINE_CONSTANTS["openvino"]
+    crop = tuple(config.data.input_shape)
+    crop_bytes = math.prod(crop) * config.num_channels * 4
+    forward = int(factor * forward_live_bytes(table, crop, config.model.batch_norm))
+    return conversion_peak_bytes(table) + crops * crop_bytes + forward + 2 * parameter_bytes(table)
