@@ -250,13 +250,54 @@ def _solve(rows: list[list[float]], targets: list[float]) -> list[float]:
     return [matrix[i][size] / matrix[i][i] for i in range(size)]
 
 
-def fit_constants(samples: list[tuple[Config, int] | tuple[Config, int, int | None]]) -> Calibration:
+Sample = tuple[Config, int] | tuple[Config, int, int | None]
+
+
+def fit_constants(samples: list[Sample], long_runs: list[Sample] | None = None) -> Calibration:
     """The constants fitted on ``samples`` (:func:`fit_worst_runs`), made the upper envelope of the runs
-    by :func:`envelope` with margins set on each job as the others predict it (:func:`held_out_ratios`)."""
+    by :func:`envelope` with margins set on each job as the others predict it (:func:`held_out_ratios`).
+
+    ``samples`` are short whole runs (WHOLE_RUN_EPOCHS x WHOLE_RUN_STEPS), and a long run climbs past them.
+    With ``long_runs`` (runs of calibration jobs long enough to reach their plateau, as ``samples`` are
+    given), the allowance for that climb is fitted on them (:func:`fit_long_run_growth`) and where they end
+    is recorded; without, every plan adds the floor ``LONG_RUN_GROWTH``."""
     fitted, every_run = fit_worst_runs(samples)
-    # The runs are short whole runs (WHOLE_RUN_EPOCHS x WHOLE_RUN_STEPS): a long run climbs past them.
-    fitted = dataclasses.replace(fitted, long_run_growth=LONG_RUN_GROWTH)
-    return envelope(fitted, every_run, held_out_ratios(every_run))
+    held_out = held_out_ratios(every_run)
+    if not long_runs:
+        return envelope(dataclasses.replace(fitted, long_run_growth=LONG_RUN_GROWTH), every_run, held_out)
+    margins = envelope(dataclasses.replace(fitted, long_run_growth=0.0), every_run, held_out).envelope_margins
+    long_every_run = at_file_backed(long_runs, fitted.file_backed_bytes)
+    growth = fit_long_run_growth(every_run, long_every_run, margins)
+    return envelope(dataclasses.replace(fitted, long_run_growth=growth), every_run, held_out, long_every_run)
+
+
+def at_file_backed(runs: list[Sample], file_backed: int | None) -> list[tuple[Config, int]]:
+    """``runs`` with each peak taken at the calibration's file-backed part ``file_backed`` (peak - its own
+    + that), as :func:`fit_worst_runs` takes the short runs; unchanged where either is unknown."""
+    return [
+        (config, measured - rest[0] + file_backed if file_backed and rest and rest[0] else measured)
+        for config, measured, *rest in runs
+    ]
+
+
+def fit_long_run_growth(
+    short_runs: list[tuple[Config, int]], long_runs: list[tuple[Config, int]], margins: dict[str, float]
+) -> float:
+    """The least allowance for what a long run climbs past the short runs: each long run of a calibration
+    job against the plan (its kind's margin, no allowance) of constants fitted on the short runs of the
+    other jobs, as the margins are set (:func:`held_out_ratios`), so it covers jobs the fit has not seen;
+    the allowance keeps every long run within ``PLAN_COVERAGE`` of its plan. ``short_runs`` and
+    ``long_runs`` at the same file-backed part (:func:`at_file_backed`)."""
+    fitted: dict[str, Calibration] = {}
+    ratios = []
+    for config, measured in long_runs:
+        key = config.model_dump_json()
+        if key not in fitted:
+            others = [run for run in short_runs if run[0].model_dump_json() != key]
+            fitted[key] = fit_worst_runs(others)[0]
+        margin = margins.get(run_kind(config), max(margins.values(), default=0.0))
+        ratios.append(measured / (sum(estimate(config, fitted[key]).values()) * (1 + margin)))
+    return round(max(0.0, max(ratios) / (1 + PLAN_COVERAGE) - 1), 4)
 
 
 def held_out_ratios(runs: list[tuple[Config, int]]) -> list[float] | None:
@@ -408,13 +449,18 @@ def fit_worst_runs(
 
 
 def envelope(
-    fitted: Calibration, runs: list[tuple[Config, int]], held_out: list[float] | None = None
+    fitted: Calibration,
+    runs: list[tuple[Config, int]],
+    held_out: list[float] | None = None,
+    long_runs: list[tuple[Config, int]] | None = None,
 ) -> Calibration:
     """``fitted`` made the upper envelope of ``runs`` (every calibration run, not only each job's worst):
     per kind of job (``run_kind``), the least margin that keeps every run of that kind within
     ``PLAN_COVERAGE`` of its plan, and where those runs end against their plans, the range ``plan`` states.
     ``held_out`` (:func:`held_out_ratios`), where given, is each run over the plan of constants fitted
     without its job: the margin then covers jobs the fit has not seen, not only those it was fitted on.
+    ``long_runs`` (runs that reached their plateau), where given, are not fitted on here: where they end
+    against their plans is recorded per kind as ``long_run_range``, the range ``plan`` states first.
 
     A margin that covered every run outright would put the plan above a job's mean run by the largest
     parting any calibration job showed, for every job; the coverage lets a rare run end up to 3 % above
@@ -434,12 +480,23 @@ def envelope(
         below = [1 - runs[i][1] / (estimates[i] * (1 + margin) * growth) for i in indices]
         margins[kind] = margin
         ranges[kind] = [round(min(below), 4), round(max(below), 4)]
+    long_ranges: dict[str, list[float]] = {}
+    long_counts: dict[str, int] = {}
+    for config, measured in long_runs or []:
+        kind = run_kind(config)
+        planned = sum(estimate(config, base).values()) * (1 + margins.get(kind, 0.0)) * growth
+        below = 1 - measured / planned
+        low, high = long_ranges.get(kind, [below, below])
+        long_ranges[kind] = [min(low, below), max(high, below)]
+        long_counts[kind] = long_counts.get(kind, 0) + 1
     return dataclasses.replace(
         fitted,
         envelope_margin=max(margins.values(), default=0.0),
         envelope_margins=margins,
         run_range=ranges,
         run_range_runs={kind: len(indices) for kind, indices in by_kind.items()},
+        long_run_range={kind: [round(low, 4), round(high, 4)] for kind, (low, high) in long_ranges.items()},
+        long_run_range_runs=long_counts,
     )
 
 
@@ -493,6 +550,10 @@ def calibration_data(calibration: Calibration, measured: dict[str, Any]) -> dict
         "long_run_growth": calibration.long_run_growth,
         "run_range": calibration.run_range,
         "run_range_runs": calibration.run_range_runs,
+        "long_run_range": calibration.long_run_range,
+        "long_run_range_runs": calibration.long_run_range_runs,
+        # the shortest of the long runs (training steps), which plan states with their range
+        "long_run_steps": min((run["steps"] for run in measured.get("long_runs", [])), default=None),
         "measured": measured,
     }
 
@@ -535,7 +596,25 @@ def measure_jobs(
     return samples, records, measured
 
 
-RECORD_FIGURES = ("peak_rss_bytes", "file_backed_at_peak_bytes", "file_backed_at_start_bytes", "date")
+RECORD_FIGURES = (
+    "peak_rss_bytes",
+    "file_backed_at_peak_bytes",
+    "file_backed_at_start_bytes",
+    "date",
+    "steps",
+)
+
+
+def long_run_record(measured: dict[str, Any]) -> dict[str, Any]:
+    """A calibration file's record of a long run from a record of benchmarks/long_run_growth.py: the job's
+    keys, its peak, its file-backed part at the start, its training steps and date."""
+    return {
+        **measured["job"],
+        "peak_rss_bytes": measured["peak_rss_bytes"],
+        "file_backed_at_start_bytes": measured.get("file_backed_at_start_bytes"),
+        "steps": measured["epochs"] * measured["steps_per_epoch"],
+        "date": measured.get("date"),
+    }
 
 
 def samples_of(base: Config, records: list[dict[str, Any]]) -> list[tuple[Config, int, int | None]]:
@@ -591,14 +670,25 @@ def calibrate(
     return path
 
 
-def refit(path: Path, added: list[dict[str, Any]], note: str | None = None) -> dict[str, Any]:
+def refit(
+    path: Path,
+    added: list[dict[str, Any]],
+    note: str | None = None,
+    long_runs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Refit the calibration file ``path`` on its stored runs plus ``added`` records (more runs of its
     jobs, as ``measure_jobs`` records them) and rewrite it; return the new constants. The runs and how
-    they were measured are kept; ``note`` is appended to its ``how``."""
+    they were measured are kept; ``note`` is appended to its ``how``. ``long_runs`` (:func:`long_run_record`)
+    are stored as ``measured.long_runs`` with those already there, and fit the long-run allowance."""
     data = json.loads(path.read_text())
     measured = data["measured"]
     measured["jobs"] = measured["jobs"] + added
-    fitted = fit_constants(samples_of(load_config(), measured["jobs"]))
+    if long_runs:
+        measured["long_runs"] = measured.get("long_runs", []) + long_runs
+    base = load_config()
+    fitted = fit_constants(
+        samples_of(base, measured["jobs"]), samples_of(base, measured.get("long_runs", [])) or None
+    )
     if note:
         measured["how"] = f"{measured['how']}; {note}"
     measured["refitted"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
@@ -620,6 +710,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--add", type=Path, metavar="JSONL", help="runs to add to the file's before refitting"
     )
+    parser.add_argument(
+        "--add-long",
+        type=Path,
+        metavar="JSONL",
+        help="long runs (benchmarks/long_run_growth.py) of calibration jobs to fit the long-run allowance on",
+    )
     parser.add_argument("--note", help="appended to the file's measured.how")
     args = parser.parse_args(argv)
     if args.measure_into:
@@ -634,7 +730,11 @@ def main(argv: list[str] | None = None) -> int:
         added = []
         if args.add:
             added = [json.loads(line) for line in args.add.read_text().splitlines() if line.strip()]
-        print(json.dumps(refit(args.refit, added, args.note), indent=2))
+        long_runs = []
+        if args.add_long:
+            records = [json.loads(line) for line in args.add_long.read_text().splitlines() if line.strip()]
+            long_runs = [long_run_record(record) for record in records if record.get("set") == "calibration"]
+        print(json.dumps(refit(args.refit, added, args.note, long_runs), indent=2))
     return 0
 
 

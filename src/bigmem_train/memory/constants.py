@@ -77,8 +77,15 @@ class Calibration:
     run_range_runs: dict[str, int] = field(default_factory=dict)
     # How far a long run's peak climbs past the peak of the short whole runs the constants were fitted on
     # (``LONG_RUN_GROWTH``), a share of the plan added on top of the margin. 0 here (an estimate of the
-    # fitted figure itself); a calibration file fitted on short runs carries LONG_RUN_GROWTH.
+    # fitted figure itself); a calibration file fitted on short runs carries LONG_RUN_GROWTH, one that
+    # stores long runs the share fitted on them (``calibrate.fit_long_run_growth``).
     long_run_growth: float = 0.0
+    # Where long runs (calibration jobs run until their peak stopped climbing, ``long_run_steps`` training
+    # steps or more) end against their plans, per kind, as ``run_range`` for the short runs; {} where the
+    # allowance was not fitted on long runs (then ``long_run_growth`` is the floor LONG_RUN_GROWTH).
+    long_run_range: dict[str, list[float]] = field(default_factory=dict)
+    long_run_range_runs: dict[str, int] = field(default_factory=dict)
+    long_run_steps: int | None = None
     source: str = "built-in defaults (not calibrated)"
     measured: dict[str, Any] = field(default_factory=dict)
     # Calibration files passed over on the way to this one: fitted for the model before the activation
@@ -106,6 +113,16 @@ class Calibration:
             "coverage": PLAN_COVERAGE,
             "cost_bound": PLAN_COST_BOUND,
             "long_run_growth": self.long_run_growth,
+            # Runs long enough to reach their plateau, where measured for this kind: what a user's run ends at.
+            **(
+                {
+                    "long_below": [float(value) for value in self.long_run_range[kind]],
+                    "long_runs": int(self.long_run_range_runs.get(kind, 0)),
+                    "long_steps": self.long_run_steps,
+                }
+                if kind in self.long_run_range
+                else {}
+            ),
         }
 
     def warning(self, config: Config, host: HostFacts | None = None) -> str | None:
@@ -188,8 +205,8 @@ PLAN_COST_MEASURED = 0.20
 # keeps it. The calibration's whole runs are 2 epochs of 2 steps (calibrate.WHOLE_RUN_EPOCHS); over 16 steps
 # the peak rose past the 4-step peak by 3.9 to 9.6 % (four sweep jobs, the largest still rising at step 14)
 # and the study's job over 12 steps by 6.5 to 8.4 % (docs/results/planner-accuracy.md, "Long runs";
-# benchmarks/long_run_growth.py). A floor from what was measured, added to every plan fitted on short runs,
-# until the constants are fitted on runs long enough to reach their plateau.
+# benchmarks/long_run_growth.py). A floor from what was measured, added to every plan fitted on short runs
+# alone; a calibration file that stores long runs of its jobs fits its own (calibrate.fit_long_run_growth).
 LONG_RUN_GROWTH = 0.10
 
 
@@ -294,6 +311,9 @@ def load_calibration() -> Calibration:
             run_range_runs={kind: int(n) for kind, n in (data.get("run_range_runs") or {}).items()},
             # Every file before it was recorded was fitted on short runs (4 training steps).
             long_run_growth=float(data.get("long_run_growth", LONG_RUN_GROWTH)),
+            long_run_range={kind: list(pair) for kind, pair in (data.get("long_run_range") or {}).items()},
+            long_run_range_runs={kind: int(n) for kind, n in (data.get("long_run_range_runs") or {}).items()},
+            long_run_steps=None if data.get("long_run_steps") is None else int(data["long_run_steps"]),
             source=str(path),
             measured=data.get("measured", {}),
             skipped=skipped,

@@ -141,14 +141,24 @@ class JobPlan:
         low, high = self.expected_range["below"]
         coverage = self.expected_range["coverage"]
         lowest, highest = self.range_bytes()
+        growth = self.expected_range.get("long_run_growth")
+        if long_below := self.expected_range.get("long_below"):
+            # Measured on runs past the climb: what a user's run ends at; short runs told apart.
+            steps = self.expected_range.get("long_steps")
+            ended = (
+                f"its {self.expected_range['long_runs']} long calibration runs"
+                + (f" ({steps} training steps, past the climb)" if steps else "")
+                + f" {ended_span(*long_below)}; its {self.expected_range['runs']} short ones (4 steps) "
+                f"{ended_span(low, high, 'it').removeprefix('ended ')}"
+                + (f", as it adds {growth:.1%} fitted on the long runs" if growth else "")
+            )
+        else:
+            ended = f"its {self.expected_range['runs']} calibration runs {ended_span(low, high)}" + (
+                f" (short runs: it adds {growth:.0%} for what a long run climbs past them)" if growth else ""
+            )
         return (
             f"the plan is the upper envelope of this kind of job's runs ({self.expected_range['kind']}): "
-            f"its {self.expected_range['runs']} calibration runs {ended_span(low, high)}"
-            + (
-                f" (short runs: it adds {growth:.0%} for what a long run climbs past them)"
-                if (growth := self.expected_range.get("long_run_growth"))
-                else ""
-            )
+            + ended
             + f", and a run may end at most {coverage:.0%} above it "
             f"({format_bytes(lowest)} to {format_bytes(highest)})"
         )
@@ -157,7 +167,17 @@ class JobPlan:
 def _range_from_dict(data: dict[str, Any] | None) -> dict[str, Any] | None:
     if not data:
         return None
-    keys = ("kind", "below", "runs", "coverage", "cost_bound", "long_run_growth")
+    keys = (
+        "kind",
+        "below",
+        "runs",
+        "coverage",
+        "cost_bound",
+        "long_run_growth",
+        "long_below",
+        "long_runs",
+        "long_steps",
+    )
     return {key: data[key] for key in keys if key in data}
 
 
