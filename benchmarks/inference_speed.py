@@ -1,33 +1,53 @@
-"""Inference speed and memory: the kit's whole `bigmem-train predict` of one case against the peer a user
-would write, plain Keras ``model.predict`` on the padded volume (oneDNN on in both).
+"""Inference speed and memory against the warm peer: the kit's whole `bigmem-train predict` of N cases
+against plain Keras ``model.predict`` at its best (issue 48).
 
-The study's whole volume: 240x240x155 with the Decathlon's 4 channels on disk, FLAIR read, padded to
-240x240x160, the study's U-Net (4 poolings, 16 filters, batch 1) with untrained weights (speed and memory
-do not depend on them). Every measurement is a fresh process; kit and peer alternate, ``--repeats`` each;
-the load average is recorded before each. The kit's time is its whole case (read, normalize, infer,
-write) from predict.json; the peer's is the ``model.predict`` call alone (its read and padding are not
-counted). Peak memory is each process's peak resident set.
+The peer is what a user would write: the study's U-Net (4 poolings, 16 filters, FLAIR, batch 1) built at the
+padded volume's shape, float32, plain ``model.predict`` with the same oneDNN TensorFlow. It runs in
+``--processes`` fresh processes, each timing its first call and ``--warm`` warm calls on the same volume; its
+figure is the best process's median warm call (the warm peer is bimodal on a shared 2-vCPU EPYC: one
+process in four ran at 10.3 s against 5.8–6.0 s), with the spread over processes and calls and the first calls.
 
-    python benchmarks/inference_speed.py --repeats 3     # ~4 min on 2 cores
+The kit's side is the whole command for ``--cases`` cases, in ``--precision auto`` (the default) and each
+explicit precision (int8 only where NNCF imports and the CPU has VNNI or AMX), each in fresh processes
+alternating with the peer's. Per process: the first case and the steady per case (the median of the later
+cases' times from predict.json; wall / N where it holds none), the command's wall time, its peak resident
+set (the process tree's, from wait4), and the precision predict.json says ran and why. One untimed run of
+each variant first fills the OpenVINO conversion cache beside the model, as a user's second predict finds it.
 
-Writes benchmarks/results/inference_speed.json (or --out).
+The model has untrained weights in a folder with no run (no split.json): auto's Dice gate has no labelled
+validation cases there and runs float32, which predict.json's reason says, and explicit int8 is refused
+(exit 2) for the same reason; both are recorded. Speed and memory do not depend on the weights.
+
+Ratios come from the same run's medians: the peer's best warm call over the kit's median steady per case,
+the kit's median peak over the peer's median peak. The load average is recorded before every process.
+
+    python benchmarks/inference_speed.py --out benchmarks/results/inference_speed-warm-epyc.json
+    python benchmarks/inference_speed.py --shape 160 160 96 --out ...   # a smaller volume, said in the file
+
+Writes benchmarks/results/inference_speed-warm-epyc.json (or --out) and prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results" / "inference_speed.json"
-SHAPE = (240, 240, 155)
-PADDED = (240, 240, 160)
+RESULTS = HERE / "results" / "inference_speed-warm-epyc.json"
+STUDY_SHAPE = (240, 240, 155)
+# 4 poolings: each padded side a multiple of 2**4.
+POOLING_MULTIPLE = 16
+ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
 
 SETUP = """
 import pathlib, numpy as np, nibabel as nib, yaml
@@ -39,14 +59,16 @@ job = {{"data": {{"channels": [0]}}, "model": {{"depth": 4, "base_filters": 16}}
 config = load_config(folder / "config.yaml")
 (folder / "checkpoints").mkdir()
 build_unet(config.model, (32, 32, 32), 1).save(folder / "checkpoints" / "best.keras")
-rng = np.random.default_rng(0)
-data = rng.integers(0, 1000, size=({shape}, 4), dtype=np.int16)
-data[:20], data[-20:] = 0, 0
-nib.save(nib.Nifti1Image(data, np.eye(4)), folder / "case.nii.gz")
+(folder / "cases").mkdir()
+for index in range({cases}):
+    rng = np.random.default_rng(index)
+    data = rng.integers(0, 1000, size=({shape}, 4), dtype=np.int16)
+    data[:20], data[-20:] = 0, 0
+    nib.save(nib.Nifti1Image(data, np.eye(4)), folder / "cases" / f"case{{index}}.nii.gz")
 """
 
 PEER = """
-import json, resource, time, numpy as np, nibabel as nib, keras
+import json, time, numpy as np, nibabel as nib, keras
 import bigmem_train.model.unet  # the kit's layers, for loading its archive
 from bigmem_train.config import load_config
 from bigmem_train.model.unet import build_unet
@@ -55,118 +77,282 @@ config = load_config(folder + "/config.yaml")
 saved = keras.models.load_model(folder + "/checkpoints/best.keras", compile=False)
 model = build_unet(config.model, {padded}, 1)  # the model at the padded volume's shape, as a user builds it
 model.set_weights(saved.get_weights())
-image = np.asarray(nib.load(folder + "/case.nii.gz").dataobj[..., 0], dtype=np.float32)
+image = np.asarray(nib.load(folder + "/cases/case0.nii.gz").dataobj[..., 0], dtype=np.float32)
 brain = image != 0
 image[brain] = (image[brain] - image[brain].mean()) / image[brain].std()
 volume = np.zeros((1, *{padded}, 1), np.float32)
-volume[0, :, :, 2:157, 0] = image
-start = time.perf_counter()
-probabilities = model.predict(volume, verbose=0)
-seconds = time.perf_counter() - start
-mask = (probabilities[0, :, :, 2:157, 0] >= 0.5).astype(np.uint8)
-np.save(folder + "/peer_mask.npy", mask)
-print(json.dumps({{"seconds": seconds, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}}))
+volume[0, {slices}, 0] = image
+calls = []
+for _ in range({warm} + 1):
+    start = time.perf_counter()
+    model.predict(volume, verbose=0)
+    calls.append(time.perf_counter() - start)
+print(json.dumps({{"first_seconds": calls[0], "warm_seconds": calls[1:]}}))
 """
 
-
 VARIANTS = {
-    "kit tensorflow float32": ["--engine", "tensorflow", "--precision", "float32"],
-    "kit openvino float32": ["--engine", "openvino", "--precision", "float32"],
-    "kit tensorflow bfloat16": ["--engine", "tensorflow", "--precision", "bfloat16"],
-    "kit openvino bfloat16": ["--engine", "openvino", "--precision", "bfloat16"],
+    "kit auto": ["--precision", "auto"],
+    "kit float32": ["--precision", "float32"],
+    "kit bfloat16": ["--precision", "bfloat16"],
+    "kit int8": ["--precision", "int8"],
 }
 
 
-def run_kit(folder: Path, name: str, index: int) -> dict:
-    out = folder / f"{name.replace(' ', '-')}-{index}"
-    command = [sys.executable, "-m", "bigmem_train.cli", "predict", "--model", str(folder), "--data"]
-    command += [str(folder / "case.nii.gz"), "--out", str(out), *VARIANTS[name]]
-    subprocess.run(command, check=True, capture_output=True, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"})
-    case = json.loads((out / "predict.json").read_text())["cases"]["case"]
+def padded_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(-(-side // POOLING_MULTIPLE) * POOLING_MULTIPLE for side in shape)
+
+
+def int8_available() -> tuple[bool, str]:
+    """int8 is measured where NNCF imports and the CPU has VNNI or AMX."""
+    from bigmem_train.host import read_cpu_flags
+
+    flags = read_cpu_flags()
+    if not {"avx512_vnni", "avx_vnni", "amx_int8"} & set(flags):
+        return False, "the CPU has neither VNNI nor AMX"
+    if importlib.util.find_spec("nncf") is None:
+        return False, "nncf is not installed"
+    return True, "nncf imports and the CPU has VNNI or AMX"
+
+
+def timed_process(command: list[str], log: Path) -> dict:
+    """Run ``command`` in a fresh process: exit status, wall seconds, peak resident set of its tree."""
+    load = os.getloadavg()
+    started = time.perf_counter()
+    with log.open("w") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=ENV)
+        _, status, usage = os.wait4(process.pid, 0)
     return {
-        "seconds": case["seconds"],
-        "peak_rss_bytes": case["peak_rss_bytes"],
-        "mode": case["mode"],
-        "mask": str(out / "case.nii.gz"),
+        "returncode": os.waitstatus_to_exitcode(status),
+        "wall_seconds": round(time.perf_counter() - started, 3),
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "load_before": [round(value, 2) for value in load],
     }
 
 
-def run_peer(folder: Path) -> dict:
-    script = PEER.format(folder=str(folder), padded=PADDED)
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        check=True,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+def run_peer(folder: Path, padded: tuple[int, ...], shape: tuple[int, ...], warm: int, index: int) -> dict:
+    slices = ", ".join(f"{(p - s) // 2}:{(p - s) // 2 + s}" for p, s in zip(padded, shape, strict=True))
+    script = PEER.format(folder=str(folder), padded=padded, slices=slices, warm=warm)
+    log = folder / f"peer-{index}.log"
+    result = timed_process([sys.executable, "-c", script], log)
+    if result["returncode"] != 0:
+        raise RuntimeError(f"the peer failed: {log.read_text()[-2000:]}")
+    result.update(json.loads(log.read_text().strip().splitlines()[-1]))
+    return result
+
+
+def run_kit(folder: Path, name: str, index: int, cases: int | None = None) -> dict:
+    out = folder / f"{name.replace(' ', '-')}-{index}"
+    data = sorted((folder / "cases").glob("*.nii.gz"))[:cases]
+    command = [sys.executable, "-m", "bigmem_train.cli", "predict", "--model", str(folder), "--data"]
+    command += [*map(str, data), "--out", str(out), "--engine", "openvino", *VARIANTS[name]]
+    log = folder / f"{out.name}.log"
+    result = timed_process(command, log)
+    summary_path = out / "predict.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    times = [case["seconds"] for case in summary.get("cases", {}).values()]
+    result.update(
+        {
+            "precision": summary.get("precision"),
+            "precision_reason": summary.get("precision_reason"),
+            "case_seconds": times,
+        }
     )
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    if result["returncode"] != 0 or len(times) != len(data):
+        lines = log.read_text().strip().splitlines()
+        result["error"] = lines[-1] if lines else ""
+        return result
+    result["first_case_seconds"] = times[0]
+    result["steady_seconds"] = (
+        statistics.median(times[1:]) if len(times) > 1 else result["wall_seconds"] / len(data)
+    )
+    result["steady_from"] = "predict.json, cases 2 and later" if len(times) > 1 else "wall / N"
+    return result
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    peer = runs["peer"]
+    medians = [statistics.median(run["warm_seconds"]) for run in peer]
+    warm_calls = [seconds for run in peer for seconds in run["warm_seconds"]]
+    summary = {
+        "peer": {
+            "best_process_median_warm_seconds": round(min(medians), 3),
+            "process_median_warm_seconds": [round(value, 3) for value in medians],
+            "warm_range_seconds": [round(min(warm_calls), 3), round(max(warm_calls), 3)],
+            "first_call_seconds": [round(run["first_seconds"], 3) for run in peer],
+            "median_peak_gib": round(statistics.median(run["peak_rss_bytes"] for run in peer) / 2**30, 3),
+        }
+    }
+    # Ratios from the unrounded medians.
+    best, peer_peak = min(medians), statistics.median(run["peak_rss_bytes"] for run in peer)
+    for name, rows in runs.items():
+        if name == "peer":
+            continue
+        done = [row for row in rows if "steady_seconds" in row]
+        if not done:
+            summary[name] = {
+                "measured": False,
+                "why": rows[0].get("error"),
+                "returncode": rows[0]["returncode"],
+            }
+            continue
+        steady = statistics.median(row["steady_seconds"] for row in done)
+        peak = statistics.median(row["peak_rss_bytes"] for row in done)
+        summary[name] = {
+            "measured": True,
+            "precision_ran": sorted({row["precision"] for row in done}),
+            "precision_reason": done[0]["precision_reason"],
+            "median_first_case_seconds": round(
+                statistics.median(row["first_case_seconds"] for row in done), 3
+            ),
+            "median_steady_seconds": round(steady, 3),
+            "steady_range_seconds": [
+                round(min(row["steady_seconds"] for row in done), 3),
+                round(max(row["steady_seconds"] for row in done), 3),
+            ],
+            "median_wall_seconds": round(statistics.median(row["wall_seconds"] for row in done), 3),
+            "wall_range_seconds": [
+                round(min(row["wall_seconds"] for row in done), 3),
+                round(max(row["wall_seconds"] for row in done), 3),
+            ],
+            "median_peak_gib": round(peak / 2**30, 3),
+            "vs_peer_best_warm": round(best / steady, 3),
+            "vs_peer_peak_memory": round(peak / peer_peak, 3),
+        }
+    return summary
+
+
+def versions() -> dict:
+    found = {"python": platform.python_version()}
+    # TensorFlow is installed under one of several distribution names.
+    names = {"tensorflow": ("tensorflow", "tensorflow-cpu", "intel-tensorflow")}
+    for package in ("tensorflow", "keras", "openvino", "nncf", "numpy"):
+        found[package] = None
+        for name in names.get(package, (package,)):
+            try:
+                found[package] = importlib.metadata.version(name)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    return found
+
+
+def print_table(summary: dict, cases: int) -> None:
+    peer = summary["peer"]
+    print(
+        f"| | precision ran | first case s | steady s/case | wall s ({cases} cases) | peak GiB | speed | memory |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    print(
+        f"| peer, best warm (processes {', '.join(f'{v:.2f}' for v in peer['process_median_warm_seconds'])}; "
+        f"first {', '.join(f'{v:.2f}' for v in peer['first_call_seconds'])}) | float32 | | "
+        f"{peer['best_process_median_warm_seconds']:.2f} ({peer['warm_range_seconds'][0]:.2f}–"
+        f"{peer['warm_range_seconds'][1]:.2f}) | | {peer['median_peak_gib']:.2f} | 1.00x | 1.00x |"
+    )
+    for name, row in summary.items():
+        if name == "peer":
+            continue
+        if not row["measured"]:
+            print(f"| {name} | not measured: {row['why']} | | | | | | |")
+            continue
+        print(
+            f"| {name} | {', '.join(row['precision_ran'])} | {row['median_first_case_seconds']:.2f} | "
+            f"{row['median_steady_seconds']:.2f} ({row['steady_range_seconds'][0]:.2f}–"
+            f"{row['steady_range_seconds'][1]:.2f}) | {row['median_wall_seconds']:.1f} "
+            f"({row['wall_range_seconds'][0]:.1f}–{row['wall_range_seconds'][1]:.1f}) | "
+            f"{row['median_peak_gib']:.2f} | {row['vs_peer_best_warm']:.2f}x | {row['vs_peer_peak_memory']:.2f}x |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes per side (default 3)")
+    parser.add_argument("--warm", type=int, default=3, help="the peer's warm calls per process (default 3)")
+    parser.add_argument("--cases", type=int, default=3, help="cases per kit command (default 3)")
+    parser.add_argument(
+        "--shape", type=int, nargs=3, default=STUDY_SHAPE, help="volume shape (default the study's)"
+    )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument(
         "--out", type=Path, default=RESULTS, help=f"default {RESULTS.relative_to(HERE.parent)}"
     )
     args = parser.parse_args()
-    import nibabel as nib
-    import numpy as np
-
+    shape, started = tuple(args.shape), time.time()
+    padded = padded_shape(shape)
+    variants = list(args.variants)
+    int8_ok, int8_why = int8_available()
+    if "kit int8" in variants and not int8_ok:
+        variants.remove("kit int8")
     with tempfile.TemporaryDirectory() as workdir:
         folder = Path(workdir)
-        subprocess.run(
-            [sys.executable, "-c", SETUP.format(folder=str(folder), shape=", ".join(map(str, SHAPE)))],
-            check=True,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        )
-        names = ["peer", *args.variants]
-        runs: dict[str, list[dict]] = {name: [] for name in names}
-        for index in range(args.repeats):
-            for name in names:
-                load = os.getloadavg()[0]
-                result = run_peer(folder) if name == "peer" else run_kit(folder, name, index)
-                result["load_before"] = load
+        setup = SETUP.format(folder=str(folder), shape=", ".join(map(str, shape)), cases=args.cases)
+        subprocess.run([sys.executable, "-c", setup], check=True, env=ENV)
+        warmup = {name: run_kit(folder, name, -1, cases=1) for name in variants}
+        runs: dict[str, list[dict]] = {name: [] for name in ["peer", *variants]}
+        for index in range(args.processes):
+            for name in runs:
+                if name == "peer":
+                    result = run_peer(folder, padded, shape, args.warm, index)
+                    text = f"first {result['first_seconds']:.2f} s, warm " + ", ".join(
+                        f"{value:.2f}" for value in result["warm_seconds"]
+                    )
+                else:
+                    result = run_kit(folder, name, index)
+                    text = result.get("error") or (
+                        f"{result['precision']}: first {result['first_case_seconds']:.2f} s, steady "
+                        f"{result['steady_seconds']:.2f} s, wall {result['wall_seconds']:.1f} s"
+                    )
                 runs[name].append(result)
                 print(
-                    f"{name} {index + 1}: {result['seconds']:.2f} s, {result['peak_rss_bytes'] / 2**30:.2f} GiB "
-                    f"(load {load:.2f})",
+                    f"{name} {index + 1}: {text}, peak {result['peak_rss_bytes'] / 2**30:.2f} GiB "
+                    f"(load {result['load_before'][0]:.2f})",
                     flush=True,
                 )
-        peer_mask = np.load(folder / "peer_mask.npy") > 0
-        agreement = {}
-        for name in args.variants:
-            mask = np.asanyarray(nib.load(runs[name][0]["mask"]).dataobj) > 0
-            total = mask.sum() + peer_mask.sum()
-            agreement[name] = 1.0 if total == 0 else round(float(2 * (mask & peer_mask).sum() / total), 5)
-            agreement[name + " foreground voxels"] = int(mask.sum())
-    voxels = SHAPE[0] * SHAPE[1] * SHAPE[2]
-    summary = {}
-    for name, rows in runs.items():
-        seconds = statistics.median(row["seconds"] for row in rows)
-        summary[name] = {
-            "median_seconds": round(seconds, 3),
-            "voxels_per_second": round(voxels / seconds),
-            "median_peak_gib": round(statistics.median(row["peak_rss_bytes"] for row in rows) / 2**30, 3),
-        }
-        if name != "peer":
-            summary[name]["vs_peer_voxels_per_second"] = round(
-                summary[name]["voxels_per_second"] / summary["peer"]["voxels_per_second"], 3
-            )
-            summary[name]["vs_peer_peak_memory"] = round(
-                summary[name]["median_peak_gib"] / summary["peer"]["median_peak_gib"], 3
-            )
-    summary["mask_dice_agreement_with_peer"] = agreement
     from bigmem_train.host import cpu_isa, read_cpu_flags, read_cpu_model
 
+    summary = summarize(runs)
+    auto = summary.get("kit auto", {})
+    int8 = summary.get("kit int8", {})
+    goals = {
+        "default_speed_at_least": 2.4,
+        "default_memory_at_most": 0.4,
+        "int8_speed_at_least": 3.0,
+        "default_met": bool(
+            auto.get("measured") and auto["vs_peer_best_warm"] >= 2.4 and auto["vs_peer_peak_memory"] <= 0.4
+        ),
+        "int8_met": bool(int8.get("measured") and int8["vs_peer_best_warm"] >= 3.0),
+    }
+    loads = [run["load_before"][0] for rows in runs.values() for run in rows]
+    record = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+        "shape": list(shape),
+        "padded": list(padded),
+        "study_shape": shape == STUDY_SHAPE,
+        "shape_note": None
+        if shape == STUDY_SHAPE
+        else f"a smaller volume than the study's {'x'.join(map(str, STUDY_SHAPE))}, to fit the time at hand",
+        "model": {
+            "depth": 4,
+            "base_filters": 16,
+            "channels": ["FLAIR"],
+            "weights": "untrained, no run folder",
+        },
+        "processes": args.processes,
+        "warm_calls": args.warm,
+        "cases": args.cases,
+        "int8": {"measured": "kit int8" in variants, "why": int8_why},
+        "cpu": {"model": read_cpu_model(), "isa": cpu_isa(read_cpu_flags()), "cpus": os.cpu_count()},
+        "versions": versions(),
+        "load_before_range": [min(loads), max(loads)],
+        "seconds_total": round(time.time() - started),
+        "warmup": warmup,
+        "runs": runs,
+        "summary": summary,
+        "goals": goals,
+    }
     args.out.parent.mkdir(exist_ok=True)
-    cpu = {"model": read_cpu_model(), "isa": cpu_isa(read_cpu_flags()), "cpus": os.cpu_count()}
-    args.out.write_text(
-        json.dumps({"shape": SHAPE, "padded": PADDED, "cpu": cpu, "runs": runs, "summary": summary}, indent=2)
-        + "\n"
-    )
-    print(json.dumps(summary, indent=2))
+    args.out.write_text(json.dumps(record, indent=2) + "\n")
+    print_table(summary, args.cases)
+    print(json.dumps(goals))
 
 
 if __name__ == "__main__":
