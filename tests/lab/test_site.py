@@ -448,12 +448,8 @@ def test_one_stage_by_its_tag_changes_nothing(site):
     assert tags is not None, "an earlier converge failed"
     assert tags.returncode == 0, _tail(tags)
     assert tags.changed() == dict.fromkeys(tags.recap, 0), _tail(tags)
-    roles = set(re.findall(r"^TASK \[(\w+) : ", tags.output, re.M))
-    assert "bigmem_os_tuning" in roles and roles <= {
-        "bigmem_preflight",
-        "bigmem_os_tuning",
-        "bigmem_reboot",
-    }, roles
+    # The os_tuning stage ran (other roles show tasks too: their facts and 'always' steps, all unchanged).
+    assert re.search(r"^TASK \[bigmem_os_tuning : ", tags.output, re.M), _tail(tags)
 
 
 def test_every_command_of_the_lab_blocks_ran(site):
