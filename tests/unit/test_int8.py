@@ -9,19 +9,16 @@ CPU) runs once here, in this process; each model file gets a copy of it in its d
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 
-import nibabel as nib
 import numpy as np
 import pytest
-import yaml
 
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.infer.source import ModelSource
-from tests.unit.test_predict import JOB, _image
+from tests.unit.test_predict import labelled_run
 
 pytest.importorskip("openvino")
 pytest.importorskip("nncf")
@@ -63,24 +60,7 @@ def run(tmp_path, float_model, monkeypatch):
     the fixture's, in a cache folder of its own; and a count of NNCF's quantizations."""
     import nncf
 
-    dataset = tmp_path / "Task"
-    for folder in ("imagesTr", "labelsTr"):
-        (dataset / folder).mkdir(parents=True)
-    names = ["c1", "c2", "c3", "c4"]
-    for seed, name in enumerate(names):
-        image = _image(dataset / "imagesTr" / f"{name}.nii.gz", (20, 18, 16), seed=seed)
-        channel = np.asanyarray(nib.load(image).dataobj)[..., 1]
-        nib.save(
-            nib.Nifti1Image((channel > 400).astype(np.uint8), np.eye(4)),
-            dataset / "labelsTr" / f"{name}.nii.gz",
-        )
-    entries = [{"image": f"./imagesTr/{name}.nii.gz", "label": f"./labelsTr/{name}.nii.gz"} for name in names]
-    (dataset / "dataset.json").write_text(json.dumps({"training": entries, "test": []}))
-    folder = tmp_path / "run"
-    (folder / "checkpoints").mkdir(parents=True)
-    job = {**JOB, "data": {**JOB["data"], "source": "decathlon", "path": str(dataset)}}
-    (folder / "config.yaml").write_text(yaml.safe_dump(job))
-    (folder / "split.json").write_text(json.dumps({"train": ["c1", "c3", "c4"], "validation": ["c2"]}))
+    folder = labelled_run(tmp_path, (20, 18, 16), ["c2"])
     model_path = folder / "checkpoints" / "best.keras"
     shutil.copy(float_model.parent.parent / "model.keras", model_path)
 

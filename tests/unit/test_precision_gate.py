@@ -18,10 +18,8 @@ import re
 import shutil
 import sys
 
-import nibabel as nib
 import numpy as np
 import pytest
-import yaml
 
 import bigmem_train.host as host
 import bigmem_train.infer.int8 as int8
@@ -37,7 +35,7 @@ from bigmem_train.infer.precision import (
 )
 from bigmem_train.infer.predict import PredictRequest
 from bigmem_train.infer.source import ModelSource, resolve_images
-from tests.unit.test_predict import JOB, _image, pointwise, run_dir  # noqa: F401  (run_dir: a fixture)
+from tests.unit.test_predict import _image, labelled_run, pointwise, run_dir  # noqa: F401  (run_dir: a fixture)
 
 BFLOAT16_CPU = ["avx512f", "avx512_bf16"]
 # The issue's EPYC: AVX-512 with AVX512_BF16 and VNNI, no AMX.
@@ -59,24 +57,7 @@ def flipped(volume):
 def run(tmp_path):
     """A run folder (config.yaml naming its dataset, split.json, checkpoints/best.keras) and a labelled
     Decathlon dataset of four cases, two of them the run's validation cases."""
-    dataset = tmp_path / "Task"
-    for folder in ("imagesTr", "labelsTr"):
-        (dataset / folder).mkdir(parents=True)
-    names = ["c1", "c2", "c3", "c4"]
-    for seed, name in enumerate(names):
-        image = _image(dataset / "imagesTr" / f"{name}.nii.gz", (16, 16, 12), seed=seed)
-        channel = np.asanyarray(nib.load(image).dataobj)[..., 1]
-        nib.save(
-            nib.Nifti1Image((channel > 400).astype(np.uint8), np.eye(4)),
-            dataset / "labelsTr" / f"{name}.nii.gz",
-        )
-    entries = [{"image": f"./imagesTr/{name}.nii.gz", "label": f"./labelsTr/{name}.nii.gz"} for name in names]
-    (dataset / "dataset.json").write_text(json.dumps({"training": entries, "test": []}))
-    folder = tmp_path / "run"
-    (folder / "checkpoints").mkdir(parents=True)
-    job = {**JOB, "data": {**JOB["data"], "source": "decathlon", "path": str(dataset)}}
-    (folder / "config.yaml").write_text(yaml.safe_dump(job))
-    (folder / "split.json").write_text(json.dumps({"train": ["c1", "c3"], "validation": VALIDATION}))
+    folder = labelled_run(tmp_path, (16, 16, 12), VALIDATION)
     (folder / "checkpoints" / "best.keras").write_bytes(b"weights, version 1")
     return folder
 

@@ -63,6 +63,33 @@ def _image(path, shape, channels=2, affine=None, five_d=False, nifti2=False, see
     return path
 
 
+def labelled_run(tmp_path, shape, validation):
+    """A run folder (config.yaml naming its dataset, split.json, an empty checkpoints/) and a labelled Decathlon
+    dataset of four cases c1-c4 of ``shape``, ``validation`` the run's validation cases and the rest its training."""
+    import yaml
+
+    dataset = tmp_path / "Task"
+    for folder in ("imagesTr", "labelsTr"):
+        (dataset / folder).mkdir(parents=True)
+    names = ["c1", "c2", "c3", "c4"]
+    for seed, name in enumerate(names):
+        image = _image(dataset / "imagesTr" / f"{name}.nii.gz", shape, seed=seed)
+        channel = np.asanyarray(nib.load(image).dataobj)[..., 1]
+        nib.save(
+            nib.Nifti1Image((channel > 400).astype(np.uint8), np.eye(4)),
+            dataset / "labelsTr" / f"{name}.nii.gz",
+        )
+    entries = [{"image": f"./imagesTr/{name}.nii.gz", "label": f"./labelsTr/{name}.nii.gz"} for name in names]
+    (dataset / "dataset.json").write_text(json.dumps({"training": entries, "test": []}))
+    folder = tmp_path / "run"
+    (folder / "checkpoints").mkdir(parents=True)
+    job = {**JOB, "data": {**JOB["data"], "source": "decathlon", "path": str(dataset)}}
+    (folder / "config.yaml").write_text(yaml.safe_dump(job))
+    train = [name for name in names if name not in validation]
+    (folder / "split.json").write_text(json.dumps({"train": train, "validation": list(validation)}))
+    return folder
+
+
 def test_masks_keep_the_source_shape_and_geometry(run_dir, tmp_path):
     images = tmp_path / "images"
     images.mkdir()
