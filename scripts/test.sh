@@ -1,8 +1,62 @@
 #!/usr/bin/env bash
 # Set up everything the test suite needs and run it (as root on Debian 12).
 # The suite starts the services it needs itself (Docker daemon, sshd, the virtual lab, the Redfish
-# emulator) and stops them by PID when it ends. Extra arguments go to pytest, e.g. -m "not lab".
+# emulator) and stops them by PID when it ends. Extra arguments go to pytest, e.g. -m "not lab", and
+# run it as one session.
+#
+# Without arguments the suite runs as two pytest sessions side by side, each line prefixed with its
+# stream: [lab] is tests/lab (the QEMU VM, one emulation thread, much of its time spent waiting on the
+# VM's boots, apt and SSH), [main] is everything else. They share one Docker daemon, started here and
+# stopped by PID at the end, and one image (tests/fixtures/docker_daemon.py builds it under a lock).
+# BIGMEM_TEST_PARALLEL=0 runs the whole suite as one session instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
-exec .venv/bin/python -m pytest -ra --durations=40 "$@"
+pytest=(.venv/bin/python -m pytest -ra --durations=25)
+
+if [ "$#" -gt 0 ] || [ "${BIGMEM_TEST_PARALLEL:-1}" = 0 ]; then
+    exec "${pytest[@]}" "$@"
+fi
+
+started_dockerd=
+workdir=$(mktemp -d /tmp/bigmem-tests.XXXXXX)
+cleanup() {
+    if [ -n "$started_dockerd" ] && kill -0 "$started_dockerd" 2>/dev/null; then
+        kill "$started_dockerd"
+        for _ in $(seq 60); do kill -0 "$started_dockerd" 2>/dev/null || break; sleep 1; done
+    fi
+    rm -rf "$workdir"
+}
+trap cleanup EXIT
+if out=$(bash scripts/start-dockerd.sh); then
+    echo "$out"
+    case $out in "dockerd: started "*) started_dockerd=${out#dockerd: started } ;; esac
+else
+    echo "$out"
+    echo "test.sh: could not start a Docker daemon; the Docker tests will say why" >&2
+fi
+
+# One stream: pytest with its own temporary folder, every line prefixed, its exit code kept.
+stream() {
+    local name=$1
+    shift
+    set +e +o pipefail
+    "${pytest[@]}" --basetemp="$workdir/$name" "$@" 2>&1 | sed -u "s/^/[$name] /"
+    echo "${PIPESTATUS[0]}" >"$workdir/$name.rc"
+}
+
+# The VM runs slower while the other stream has the cores: give its waits room.
+BIGMEM_LAB_TIMEOUT_SCALE=${BIGMEM_LAB_TIMEOUT_SCALE:-2} stream lab tests/lab &
+lab=$!
+stream main --ignore=tests/lab &
+main=$!
+wait "$main" "$lab"
+
+status=0
+for name in main lab; do
+    rc=$(cat "$workdir/$name.rc" 2>/dev/null || echo 1)
+    echo "test.sh: $name stream exited $rc"
+    # 5 is pytest's "no tests collected" (e.g. a checkout without tests/lab): not a failure.
+    if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then status=1; fi
+done
+exit "$status"
