@@ -1,8 +1,12 @@
-"""Ansible's train role runs a multi-worker job for real: two inventory hosts that are both this machine
-(ansible_connection=local, worker ports on 127.0.0.1, their own results folders), one container each in
-the local Docker daemon with the kit's image, started together with host networking and TF_CONFIG from
-templates/tf_config.json.j2. The play passes only when the chief's verdict passes and every worker
-finished; both workers end with identical weights; a second play changes nothing.
+"""Ansible's train role runs a multi-worker job for real, by the remote guide's command as written
+(``ansible-playbook site.yml --limit bigmem --tags train -e @multi-worker.yml``, taken from the page by
+tests/fixtures/doc_blocks.py): from a copy of ansible/ whose inventory beside it names two hosts of group
+bigmem that are both this machine (ansible_connection=local, worker ports on 127.0.0.1, their own results
+folders), and whose multi-worker.yml holds a tiny job. Preflight (tagged always) plans each host's share;
+the train stage starts one container per host in the local Docker daemon with the kit's image, together,
+with host networking and TF_CONFIG from templates/tf_config.json.j2. The play passes only when the chief's
+verdict passes and every worker finished; both workers end with identical weights; the command run again
+changes nothing.
 
 A second test gives worker 1 a dataset folder without dataset.json: it ends at once, and the play
 stops the chief (which waits for it) and fails with one message naming both workers, within one round of
@@ -12,15 +16,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from bigmem_train.ops.distribute import parse_tf_config, render_tf_config
 from tests.fixtures.common import free_port, results_folder
+from tests.fixtures.doc_blocks import ANSIBLE_MULTI_WORKER, WHERE, Block, all_blocks, run_commands, unexpected
 
 from .test_multi_worker import assert_trained_in_lockstep
 
@@ -28,6 +35,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"
+
+# The guide's two hosts (docs/guides/remote-and-scale-out.md, step 2 of "How"), both this machine.
+HOSTS = ["bigmem-01", "bigmem-02"]
 
 # The tiny U-Net of the loopback test, rendered through templates/train.yaml.j2 like any Ansible job:
 # 12 cases: the split gives 9 training and 3 validation, evened to 8 and 4 (whole global batches of 2).
@@ -124,37 +134,91 @@ def ansible_playbook() -> Path:
     return ANSIBLE_PLAYBOOK
 
 
-def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_playbook):
-    ports = [free_port(), free_port()]
-    hostvars = {
-        f"w{index}": {
+def guide_block() -> Block:
+    """The remote guide's Ansible block, the one whose place (tests/fixtures/doc_blocks.WHERE) is this file."""
+    blocks = [
+        block for block in all_blocks() if getattr(WHERE.get(block.key), "runs", None) == ANSIBLE_MULTI_WORKER
+    ]
+    assert len(blocks) == 1 and len(blocks[0].commands) == 1, blocks
+    assert blocks[0].commands[0].startswith("ansible-playbook site.yml --limit bigmem --tags train"), blocks
+    return blocks[0]
+
+
+def guide_checkout(folder: Path, image: str, ports: list[int]) -> Path:
+    """What the guide's reader has in ``folder``: ansible/ with the kit's playbook, settings, roles and
+    group_vars, the inventory beside it (where ansible.cfg looks: ../inventory.ini), templates/, and
+    ansible/multi-worker.yml with the tiny job. Returns ansible/, where the command runs."""
+    ansible = folder / "ansible"
+    ansible.mkdir()
+    # Files, not links: the playbook's folder (playbook_dir) and the settings' relative paths are this one.
+    for name in ("ansible.cfg", "site.yml"):
+        shutil.copy(REPO / "ansible" / name, ansible / name)
+    for name in ("roles", "filter_plugins", "group_vars"):
+        (ansible / name).symlink_to(REPO / "ansible" / name)
+    (folder / "templates").symlink_to(REPO / "templates")
+    name, _, tag = image.partition(":")
+    # Numbers on the hosts' lines: Ansible reads those as literals, [group:vars] values as strings.
+    settings = {"bigmem_train_poll": 3, "bigmem_train_timeout": 900}
+    lines = ["[bigmem]"]
+    for host, port in zip(HOSTS, ports):
+        values = {
+            **settings,
             "bigmem_train_worker_port": port,
-            "bigmem_train_results_dir": results_folder(tmp_path / f"w{index}"),
+            "bigmem_train_results_dir": results_folder(folder / host),
         }
-        for index, port in enumerate(ports)
+        lines.append(" ".join([host, *(f"{key}={value}" for key, value in values.items())]))
+    lines += [
+        "",
+        "[bigmem:vars]",
+        "ansible_connection=local",
+        f"ansible_python_interpreter={sys.executable}",
+        "ansible_become=false",
+        "bigmem_train_worker_address=127.0.0.1",
+        # The hosts are this machine, whatever it runs; tests/lab checks the OS checks on a real server.
+        "bigmem_preflight_check_os=false",
+        f"bigmem_image_name={name}",
+        f"bigmem_image_tag={tag or 'latest'}",
+    ]
+    (folder / "inventory.ini").write_text("\n".join(lines) + "\n")
+    (ansible / "multi-worker.yml").write_text(yaml.safe_dump({"bigmem_train_job": JOB}, sort_keys=False))
+    return ansible
+
+
+def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_playbook):
+    block = guide_block()
+    ports = [free_port(), free_port()]
+    ansible = guide_checkout(tmp_path, bigmem_image, ports)
+    environment = {
+        "PATH": f"{ansible_playbook.parent}{os.pathsep}{os.environ['PATH']}",
+        "ANSIBLE_NOCOLOR": "1",
     }
-    write_play(tmp_path, bigmem_image, hostvars)
-    result, seconds = play(tmp_path, timeout=900)
-    output = result.stdout + result.stderr
-    print(f"\nmulti-worker play: {seconds:.0f} s", file=sys.stderr)
-    assert result.returncode == 0, output[-6000:]
-    assert "failed=0" in output and "PASS ansible-" in output and "on 2 workers (w0, w1)" in output
+
+    def play() -> str:
+        started = time.monotonic()
+        ran = run_commands(block, ansible, environment, paths={}, timeout=900)
+        print(f"\nmulti-worker play: {time.monotonic() - started:.0f} s", file=sys.stderr)
+        assert unexpected(block, ran) == [], "\n".join(unexpected(block, ran))
+        return ran.outputs[0]
+
+    output = play()
+    assert output.count("failed=0") == 2, output[-6000:]
+    assert "PASS ansible-" in output and "on 2 workers (bigmem-01, bigmem-02)" in output, output[-6000:]
+    # Preflight planned each host's share of the global batch (the YAML callback folds long messages).
+    assert " ".join(output.split()).count("per host: 2 workers, batch 1 each") == 2, output[-6000:]
 
     # One job: the same run name on both hosts, each with its own TF_CONFIG from the shared template.
-    chief_runs = [path for path in (tmp_path / "w0").iterdir() if (path / "verdict.json").exists()]
-    assert len(chief_runs) == 1, list((tmp_path / "w0").iterdir())
+    chief_runs = [path for path in (tmp_path / HOSTS[0]).iterdir() if (path / "verdict.json").exists()]
+    assert len(chief_runs) == 1, list((tmp_path / HOSTS[0]).iterdir())
     run = chief_runs[0].name
-    chief, worker = tmp_path / "w0" / run, tmp_path / "w1" / f"{run}.worker1"
-    groups = {"workers": ["w0", "w1"]}
+    chief, worker = tmp_path / HOSTS[0] / run, tmp_path / HOSTS[1] / f"{run}.worker1"
+    groups = {"bigmem": HOSTS}
     template_vars = {
         host: {"bigmem_train_worker_address": "127.0.0.1", "bigmem_train_worker_port": port}
-        for host, port in zip(groups["workers"], ports)
+        for host, port in zip(HOSTS, ports)
     }
-    for index, host in enumerate(groups["workers"]):
+    for index, host in enumerate(HOSTS):
         written = (tmp_path / host / f"{run}.tf_config.json").read_text().strip()
-        assert written == render_tf_config(groups, template_vars, host, "workers"), (
-            "Ansible and the CLI agree"
-        )
+        assert written == render_tf_config(groups, template_vars, host, "bigmem"), "Ansible and the CLI agree"
         cluster = parse_tf_config(written)
         assert cluster.index == index and cluster.workers == tuple(f"127.0.0.1:{port}" for port in ports)
 
@@ -173,16 +237,16 @@ def test_train_role_runs_two_workers_of_one_job(tmp_path, bigmem_image, ansible_
 
     metrics_before = json.loads((chief / "metrics.json").read_text())["train_seconds_this_session"]
 
-    # Each host's run directory was fetched to the controller.
-    assert json.loads((tmp_path / "fetched" / "w0" / run / "verdict.json").read_text())["verdict"] == "PASS"
-    assert (tmp_path / "fetched" / "w1" / f"{run}.worker1" / "state.json").exists()
+    # Each host's run directory was fetched to the controller (the role's default: results/ansible/ beside
+    # ansible/).
+    fetched = tmp_path / "results" / "ansible"
+    assert json.loads((fetched / HOSTS[0] / run / "verdict.json").read_text())["verdict"] == "PASS"
+    assert (fetched / HOSTS[1] / f"{run}.worker1" / "state.json").exists()
     assert not leftover_containers(f"bigmem-{run}-")
 
-    # A second play finds the chief's verdict: nothing runs again, nothing changes, the check still passes.
-    again, seconds = play(tmp_path, timeout=600)
-    print(f"second multi-worker play: {seconds:.0f} s", file=sys.stderr)
-    assert again.returncode == 0, (again.stdout + again.stderr)[-6000:]
-    assert again.stdout.count("changed=0") == 2 and "PASS " + run in again.stdout, again.stdout[-6000:]
+    # The command again finds the chief's verdict: nothing runs again, nothing changes, the check still passes.
+    again = play()
+    assert again.count("changed=0") == 2 and "PASS " + run in again, again[-6000:]
     assert json.loads((chief / "metrics.json").read_text())["train_seconds_this_session"] == metrics_before
 
 

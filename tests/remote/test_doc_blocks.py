@@ -8,8 +8,10 @@ jobs in containers of the suite's image (tagged ``bigmem-train``, the blocks' de
 daemon. The user's paths on the host (``/srv/...``) are a tiny synthetic Decathlon dataset, a folder of
 its scans and the README's trained run. The blocks run in the order a reader meets them, each in one bash,
 every command's exit code checked (tests/fixtures/doc_blocks.py). Between them the test checks what they
-wrote, removes the multi-worker job the README only starts, and the predict job's container that the last
-block starts again by hand; at the end it waits for the predict jobs the blocks left running.
+wrote, removes the multi-worker job the README only starts, and the predict job's container that a block
+starts again by hand; it waits for the predict jobs the blocks left running. Last, ``job.yaml`` becomes the
+multi-worker job of the guide's scale-out step 1, which its step 3 starts on the group, follows to its end,
+fetches and stops.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def test_the_remote_blocks_run_as_written(tmp_path, sshd, bigmem_image):
         ("docs/guides/remote-and-scale-out.md", 8),
         ("docs/guides/remote-and-scale-out.md", 5),
         ("docs/guides/remote-and-scale-out.md", 1),
+        ("docs/guides/remote-and-scale-out.md", 5),
     ]
     taken = set(docker("ps", "-a", "--format", "{{.Names}}").split()) & set(CONTAINERS)
     if taken:
@@ -125,15 +128,17 @@ def test_the_remote_blocks_run_as_written(tmp_path, sshd, bigmem_image):
         assert wrong == [], f"{block.page}:{block.line}: " + "\n".join(wrong)
 
     try:
-        readme, commands, predict, docker_run = blocks
+        readme, commands, predict, docker_run, group = blocks
 
         # README: train and follow it, predict with its model (left running), a multi-worker job on the group.
         run(readme)
         job = json.loads((jobs / "brats-2x" / "job.json").read_text())
         environment_2x = docker("inspect", "--format", "{{json .Config.Env}}", "brats-2x")
         assert job["multi_worker"] and "TF_CONFIG=" in environment_2x, (job, environment_2x)
-        # Started is all the README shows of it: the job would train on beside the blocks that follow.
+        # Started is all the README shows of it: the job would train on beside the blocks that follow. The
+        # guide's scale-out step starts brats-2x anew.
         docker("rm", "-f", "brats-2x")
+        shutil.rmtree(jobs / "brats-2x")
         trained = jobs / "brats-1" / "results" / "brats-1"
         assert json.loads((trained / "verdict.json").read_text())["verdict"] == "PASS"
 
@@ -166,6 +171,15 @@ def test_the_remote_blocks_run_as_written(tmp_path, sshd, bigmem_image):
         assert masks(jobs / "brats-1tb-test" / "results" / "brats-1tb-test") == sorted(
             Path(name).name for name in test_list
         )
+
+        # Scale-out: step 1's job.yaml (training.strategy multi_worker) started on the group, its status, log
+        # to the end, fetch and stop. The group is one host (see workstation): one worker.
+        write_tiny_job(folder / "job.yaml", epochs=2, strategy="multi_worker")
+        run(group)
+        scaled = folder / "results" / "brats-2x"
+        assert json.loads((scaled / "verdict.json").read_text())["verdict"] == "PASS"
+        metrics = json.loads((scaled / "metrics.json").read_text())
+        assert (metrics["strategy"], metrics["workers"]) == ("multi_worker", 1), metrics
     finally:
         docker("rm", "-f", *CONTAINERS, timeout=120)
         print(f"\nremote doc blocks: {time.monotonic() - began:.0f} s {seconds}", file=sys.stderr)

@@ -3,7 +3,16 @@ added without one, or a place whose block is gone, fails here; and the runner's 
 
 from __future__ import annotations
 
-from tests.fixtures.doc_blocks import WHERE, Block, Place, all_blocks, expected_exit, replace_paths, run_block
+from tests.fixtures.doc_blocks import (
+    WHERE,
+    Block,
+    Place,
+    all_blocks,
+    expected_exit,
+    parse_blocks,
+    replace_paths,
+    run_block,
+)
 
 STAGES = {"integration", "container", "lab", "remote", "ci", "maintainer", "interactive"}
 
@@ -19,6 +28,36 @@ def test_every_block_has_a_place_and_every_place_a_block():
     stale = [key for key in WHERE if key not in keys]
     assert not stale, f"places for blocks no page has: {stale}"
     assert {place.stage for place in WHERE.values()} <= STAGES
+
+
+def test_a_block_indented_in_a_list_item_is_found_without_its_indentation():
+    text = """\
+1. **Start** it:
+
+   ```sh
+   echo one \\
+     two   # said
+
+   echo three
+   ```
+
+   ```yaml
+   key: value
+   ```
+2. Then:
+```sh
+echo four
+    ```
+echo five
+```
+"""
+    blocks = parse_blocks("x.md", text)
+    assert [(block.line, block.commands) for block in blocks] == [
+        (3, ["echo one    two   # said", "echo three"]),
+        # A fence indented otherwise than the opening one does not close the block.
+        (14, ["echo four", "```", "echo five"]),
+    ]
+    assert blocks[0].key == ("x.md", "echo one two")
 
 
 def test_commands_join_continuations_and_drop_comments():
