@@ -5,7 +5,9 @@ job that fails validation ends FAILED with ExitCode 1:0; two jobs whose --mem to
 RealMemory run one at a time, the second PENDING for Resources; one running job is watched with ``slurm
 status``/``logs`` and stopped with ``slurm stop``; bad input (unknown partition, --nodes beyond the
 partition, a bad --time, no Slurm client, no controller) is one line, exit 2, and nothing submitted; every
---time form ``submit`` accepts, sbatch accepts.
+--time form ``submit`` accepts, sbatch accepts. On a second cluster that kills a job whose RSS passes its
+--mem (jobacct_gather's OverMemoryKill, no cgroups), the kit's batch script with a --mem below what the job
+touches is killed, and ``validate`` names Slurm's kill for memory, exit 1.
 
 The node declares 1.5 times the tiny job's --mem as its RealMemory (a node may declare less than it has),
 so that two tiny jobs cannot run side by side: memory, not CPUs, decides (each asks for one CPU).
@@ -33,6 +35,9 @@ from tests.fixtures.common import free_port, write_tiny_job
 pytestmark = pytest.mark.slow
 
 ONE_CPU = ["--set", "runtime.intra_op_threads=1"]
+# Above what the tiny job holds when its run directory exists (under 300 MiB of RSS: Python, the kit, the
+# synthetic data), below what it holds once TensorFlow is loaded (over 0.4 GiB, peaking near 1 GiB).
+KILL_MEM_MIB = 360
 ACCEPTED_TIMES = ["30", "30:00", "2:30:00", "1-12", "1-12:30", "1-12:30:15", "UNLIMITED", "unlimited", "0"]
 
 
@@ -241,3 +246,42 @@ def test_every_time_submit_accepts_sbatch_accepts(slurm_cluster):
         )
         assert done.returncode == 0, (text, done.stderr)
     assert accepted == ACCEPTED_TIMES
+
+
+def test_a_job_slurm_kills_for_memory_is_named_by_validate(slurm_cluster_over_memory_kill, tmp_path):
+    """The batch script ``submit --dry-run`` renders, its --mem lowered (submit itself always asks for the
+    plan), sent with sbatch; slurmstepd kills it (Slurm 22.05 leaves it FAILED, ExitCode 0:9) and says so in
+    the job's output file, where validate reads it."""
+    cluster = slurm_cluster_over_memory_kill
+    job = write_tiny_job(tmp_path / "job.yaml", epochs=200)
+    dry = submit(cluster, job, "oom", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    script = "\n".join(dry.stdout.splitlines()[:-1]) + "\n"  # the last line is the plan, not the script's
+    script, lowered = re.subn(r"(?m)^#SBATCH --mem=\d+M$", f"#SBATCH --mem={KILL_MEM_MIB}M", script)
+    assert lowered == 1, script
+    (tmp_path / "results").mkdir()  # submit makes the folder of the job's output before sbatch
+    sent = subprocess.run(
+        ["sbatch", "--parsable"], input=script, env=cluster.env, cwd=tmp_path, capture_output=True, text=True
+    )
+    assert sent.returncode == 0, sent.stderr
+    job_id = sent.stdout.strip()
+    ended = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 150)
+    log = tmp_path / "results" / f"oom.slurm-{job_id}.out"
+    assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "0:9"), log.read_text()[-3000:]
+    run_dir = tmp_path / "results" / "oom"
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["state"] == "running" and state["slurm"] == {
+        "job_id": job_id,
+        "cluster": "bigmemtest",
+        "mem_mib": KILL_MEM_MIB,
+    }
+    validated = bigmem_train(cluster, tmp_path, "validate", str(run_dir))
+    assert validated.returncode == 1, validated.stdout + validated.stderr
+    finished = next(line for line in validated.stdout.splitlines() if "] finished: " in line)
+    assert re.fullmatch(
+        rf"  \[FAIL\] finished: killed by Slurm for memory at about \d+\.\d\d GiB \(job {job_id} FAILED, "
+        rf"--mem {KILL_MEM_MIB}M; planned \d+\.\d\d GiB\) \(scontrol says job {job_id} FAILED, ExitCode 0:9; "
+        rf"the job's output file says 'StepId={job_id}\.batch exceeded memory limit \(\d+ > "
+        rf"{KILL_MEM_MIB * 2**20}\), being killed'\); 0 of 200 epochs finished",
+        finished,
+    ), finished

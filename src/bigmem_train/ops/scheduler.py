@@ -29,6 +29,7 @@ from bigmem_train.memory.constants import PLAN_COVERAGE
 from bigmem_train.memory.plan import JobPlan
 from bigmem_train.ops.render import render
 from bigmem_train.sizes import format_bytes
+from bigmem_train.verdict.postmortem import SLURM_ENDED
 
 MIB = 1024**2
 TEMPLATE = "slurm_job.sh.j2"
@@ -270,22 +271,8 @@ def submit_job(
 # --------------------------------------------------------------------------------------------------
 # A submitted job: ``bigmem-train slurm status|logs|stop|fetch JOB``
 
-# Slurm's job states (squeue(1), JOB STATE CODES) after which the job holds no resources any more.
-ENDED = frozenset(
-    {
-        "BOOT_FAIL",
-        "CANCELLED",
-        "COMPLETED",
-        "DEADLINE",
-        "FAILED",
-        "NODE_FAIL",
-        "OUT_OF_MEMORY",
-        "PREEMPTED",
-        "REVOKED",
-        "SPECIAL_EXIT",
-        "TIMEOUT",
-    }
-)
+# Slurm's job states after which the job holds no resources any more (verdict/postmortem.py reads them too).
+ENDED = SLURM_ENDED
 # scontrol prints these fields alone on their line, with any spaces the value has.
 _WHOLE_LINE_FIELDS = ("Command=", "WorkDir=", "StdErr=", "StdIn=", "StdOut=", "Comment=")
 _STOP_WAIT_S = 60

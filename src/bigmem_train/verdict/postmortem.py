@@ -11,7 +11,13 @@ controller (the train role), the evidence is weighed here in one place, and the 
 * the run's cgroup's OOM kill counter (v2 ``memory.events``, v1 ``memory.oom_control``) above its value
   at the start;
 * the host's OOM kill counter (``/proc/vmstat``) above its value at the start, with exit 137 or no
-  other explanation (weaker: another process on the host may have been the one killed).
+  other explanation (weaker: another process on the host may have been the one killed);
+* for a run started by Slurm (state.json's ``slurm`` job id), Slurm's own word: ``sacct`` where the cluster
+  keeps accounting, else ``scontrol show job`` while the controller still lists the job. JobState
+  ``OUT_OF_MEMORY`` is the cgroup's kill for exceeding ``--mem``; jobacct_gather's ``OverMemoryKill`` (a
+  cluster that enforces --mem without cgroups) leaves the job ``FAILED`` with ExitCode ``0:9`` (Slurm
+  22.05) and its own line in the job's output file, ``slurmstepd: error: StepId=12.batch exceeded memory
+  limit (RSS > LIMIT), being killed``, which is read from there.
 """
 
 from __future__ import annotations
@@ -30,6 +36,29 @@ from bigmem_train.sizes import GIB
 from bigmem_train.verdict.rundir import read_memory_csv
 
 EXIT_SIGKILL = 137
+# Slurm's job states (squeue(1), JOB STATE CODES) after which the job holds no resources any more.
+SLURM_ENDED = frozenset(
+    {
+        "BOOT_FAIL",
+        "CANCELLED",
+        "COMPLETED",
+        "DEADLINE",
+        "FAILED",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "REVOKED",
+        "SPECIAL_EXIT",
+        "TIMEOUT",
+    }
+)
+# Slurm's JobState for a job it killed for exceeding its --mem (squeue(1), JOB STATE CODES).
+SLURM_OUT_OF_MEMORY = "OUT_OF_MEMORY"
+# slurmstepd's line when jobacct_gather's OverMemoryKill kills a step (its RSS and --mem in bytes; before
+# Slurm 21.08 "Job 41176 exceeded memory limit (3940736 > 2068480)", in KiB).
+_OVER_MEMORY_KILL = re.compile(r"(\S+) exceeded memory limit \((\d+) > (\d+)\), being killed")
+_LOG_TAIL_BYTES = 64 * 1024
+_SLURM_TIMEOUT_S = 15
 
 
 @dataclass
@@ -43,6 +72,98 @@ class Ending:
 
     def to_dict(self) -> dict[str, str]:
         return {"cause": self.cause, "message": self.message, "evidence": self.evidence}
+
+
+@dataclass(frozen=True)
+class SlurmEnding:
+    """How Slurm says a job ended: its JobState, its ExitCode (``code:signal``), its --mem as Slurm shows it
+    (``480M``; scontrol only), the command that said it ("" when none did), and slurmstepd's OverMemoryKill
+    line from the job's output file when it has one."""
+
+    job_id: str
+    state: str
+    exit_code: str
+    source: str
+    mem: str | None = None
+    memory_kill: str | None = None
+
+    @property
+    def killed_for_memory(self) -> bool:
+        return self.state == SLURM_OUT_OF_MEMORY or bool(self.memory_kill)
+
+    def describe(self) -> str:
+        said = [f"{self.source} says job {self.job_id} {self.state}, ExitCode {self.exit_code or '?'}"]
+        if self.memory_kill:
+            said.append(f"the job's output file says {self.memory_kill!r}")
+        return "; ".join(said[0 if self.source else 1 :])
+
+    def rss_at_kill(self) -> int | None:
+        """The RSS slurmstepd measured when it killed the job for memory (bytes), if its line says."""
+        match = _OVER_MEMORY_KILL.search(self.memory_kill or "")
+        return int(match.group(2)) if match and match.group(1).startswith("StepId=") else None
+
+    def exit_status(self) -> int | None:
+        """The ExitCode as a shell would say it: 128 + the signal when one ended the job, else the code."""
+        code, _, signal = self.exit_code.partition(":")
+        if signal.isdigit() and int(signal):
+            return 128 + int(signal)
+        return int(code) if code.isdigit() else None
+
+
+def _slurm_client(command: list[str]) -> str | None:
+    """A Slurm client's output; None when it is missing, hangs or fails (no accounting, no controller)."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=_SLURM_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def over_memory_kill_line(log: Path) -> str | None:
+    """slurmstepd's OverMemoryKill line in a job's output file (its last 64 KiB), or None."""
+    try:
+        with open(log, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            tail = handle.read().decode(errors="replace")
+    except OSError:
+        return None
+    match = _OVER_MEMORY_KILL.search(tail)
+    return match.group(0) if match else None
+
+
+def slurm_ending(job_id: str, log: Path | None = None) -> SlurmEnding | None:
+    """Slurm's state of job ``job_id``: ``sacct`` when the cluster's accounting knows the job, else ``scontrol
+    show job`` while the controller lists it (MinJobAge); with slurmstepd's OverMemoryKill line from the job's
+    output file (scontrol's StdOut, else ``log``, submit's). None when neither client answers and the file says
+    nothing of memory."""
+    text = _slurm_client(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"]) or ""
+    line = next((line for line in text.splitlines() if line.strip()), "")
+    state, _, exit_code = line.partition("|")
+    fields: dict[str, str] = {}
+    logs = [log] if log else []
+    if state.strip():
+        # "CANCELLED by 0": the state is the first word.
+        fields = {"JobState": state.split()[0], "ExitCode": exit_code.strip()}
+        source = "sacct"
+    else:
+        for part in (_slurm_client(["scontrol", "show", "job", "-o", job_id]) or "").split():
+            key, _, value = part.partition("=")
+            fields.setdefault(key, value)
+        source = "scontrol" if fields.get("JobState") else ""
+        if fields.get("StdOut"):
+            # One line of fields split at spaces: a path with a space is cut short, and the next is tried.
+            logs.insert(0, Path(fields["StdOut"].replace("%j", job_id)))
+    memory_kill = next((line for path in logs if (line := over_memory_kill_line(path))), None)
+    if not source and not memory_kill:
+        return None
+    return SlurmEnding(
+        job_id,
+        fields.get("JobState", ""),
+        fields.get("ExitCode", ""),
+        source,
+        fields.get("MinMemoryNode") or None,
+        memory_kill,
+    )
 
 
 def _gib(value: float) -> str:
@@ -78,8 +199,11 @@ def explain(
     host_oom_kills_now: int | None = None,
     exit_code: int | None = None,
     rebooted: bool = False,
+    slurm: SlurmEnding | None = None,
 ) -> Ending:
     """Weigh the evidence about a run whose process is gone (see the module) into one message."""
+    if exit_code is None and slurm is not None:
+        exit_code = slurm.exit_status()
     where = f"at about {_gib(measured_bytes)}" if measured_bytes else "at an unknown size (no memory sample)"
     planned = f"planned {_gib(planned_bytes)}" if planned_bytes else "no plan recorded"
     cgroup = state.get("cgroup") or {}
@@ -102,22 +226,41 @@ def explain(
             f"the host's OOM kill count (/proc/vmstat oom_kill) went from {host_start} to "
             f"{host_oom_kills_now} during the run" + (" and it ended with exit 137" if exit_code else "")
         )
+    if slurm is not None and slurm.killed_for_memory:
+        recorded = (state.get("slurm") or {}).get("mem_mib")
+        mem = f"{recorded}M" if recorded else slurm.mem
+        request = f", --mem {mem}" if mem else ""
+        job = f"job {slurm.job_id} {slurm.state}".rstrip()
+        return Ending(
+            "oom",
+            f"killed by Slurm for memory {where} ({job}{request}; {planned}{limit_text})",
+            "; ".join([slurm.describe(), *evidence]),
+        )
+    # Slurm's word on any other ending goes with the evidence, after the counters'.
+    said = [slurm.describe()] if slurm is not None else []
     if evidence:
         return Ending(
-            "oom", f"killed by the out-of-memory killer {where} ({planned}{limit_text})", "; ".join(evidence)
+            "oom",
+            f"killed by the out-of-memory killer {where} ({planned}{limit_text})",
+            "; ".join(evidence + said),
         )
     if rebooted:
         return Ending(
-            "rebooted", f"the host restarted while the run was running (last sample {where}, {planned})"
+            "rebooted",
+            f"the host restarted while the run was running (last sample {where}, {planned})",
+            "; ".join(said),
         )
     if exit_code == EXIT_SIGKILL or (exit_code is not None and exit_code > 128):
         return Ending(
             "killed",
             f"killed by signal {exit_code - 128} {where} ({planned}); not by the out-of-memory "
             "killer as far as the OOM counters say",
+            "; ".join(said),
         )
     return Ending(
-        "unknown", f"the process ended without a record {where} ({planned}); no OOM kill was counted"
+        "unknown",
+        f"the process ended without a record {where} ({planned}); no OOM kill was counted",
+        "; ".join(said),
     )
 
 
@@ -221,8 +364,16 @@ def _ending_of_gone_process(run_dir: Path, state: dict[str, Any]) -> Ending | No
     )
     rebooted = bool(state.get("boot_id") and boot_id and state["boot_id"] != boot_id)
     container_state = None
+    slurm_job = (state.get("slurm") or {}).get("job_id")
+    # `bigmem-train submit` writes the job's output beside its run directory (RESULTS/NAME.slurm-JOBID.out).
+    slurm_log = Path(run_dir).parent / f"{Path(run_dir).name}.slurm-{slurm_job}.out"
+    slurm = None
     if not rebooted:
         alive = _process_alive(state)
+        if alive is None and slurm_job:
+            # Another host (a login node): the job's state in Slurm says whether the run still runs.
+            slurm = slurm_ending(slurm_job, slurm_log)
+            alive = None if slurm is None or not slurm.source else slurm.state not in SLURM_ENDED
         if alive is None:
             identifier = container_id(state)
             container_state = inspect_container(identifier) if identifier else None
@@ -231,8 +382,13 @@ def _ending_of_gone_process(run_dir: Path, state: dict[str, Any]) -> Ending | No
             alive = bool(container_state.get("Running"))
         if alive:
             return None
+    if slurm is None and slurm_job:
+        slurm = slurm_ending(slurm_job, slurm_log)
     exit_code = container_state.get("ExitCode") if container_state else None
     measured = last_measured_bytes(run_dir, state)
+    if measured is None and slurm is not None:
+        # Killed by OverMemoryKill before its first sample: the RSS slurmstepd measured.
+        measured = slurm.rss_at_kill()
     if measured is None and not rebooted:
         # Killed before its first sample: the cgroup's own high-water mark, where it can still be read.
         measured = _cgroup_peak_here(state)
@@ -245,6 +401,7 @@ def _ending_of_gone_process(run_dir: Path, state: dict[str, Any]) -> Ending | No
         host_oom_kills_now=None if rebooted else host_oom_kills(),
         exit_code=exit_code,
         rebooted=rebooted,
+        slurm=slurm,
     )
 
 

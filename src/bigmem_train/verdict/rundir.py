@@ -7,6 +7,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,8 @@ def _read_text(path: str) -> str:
 def process_identity() -> dict[str, Any]:
     """What tells, later and from elsewhere, whether the process writing a run still exists and why it
     ended: PID, its start time (so a reused PID is not taken for it), PID namespace, boot id, hostname,
-    its memory cgroup with that cgroup's OOM kill counter, and the host's OOM kill counter, now."""
+    its memory cgroup with that cgroup's OOM kill counter, the host's OOM kill counter, now, and the Slurm
+    job it runs in."""
     from bigmem_train.host import find_memory_cgroup, host_oom_kills
 
     stat = _read_text("/proc/self/stat")
@@ -101,7 +103,25 @@ def process_identity() -> dict[str, Any]:
     cgroup = find_memory_cgroup()
     if cgroup is not None:
         identity["cgroup"] = cgroup_record(cgroup)
+    slurm = slurm_record(os.environ)
+    if slurm:
+        identity["slurm"] = slurm
     return identity
+
+
+def slurm_record(environment: Mapping[str, str]) -> dict[str, Any] | None:
+    """The Slurm job a run was started in, from the variables slurmd sets (sbatch(1), OUTPUT ENVIRONMENT
+    VARIABLES): its id, cluster and --mem in MiB, so that postmortem can ask Slurm how the job ended
+    (a job Slurm kills for memory leaves no record of its own). None outside Slurm."""
+    job_id = environment.get("SLURM_JOB_ID", "").strip()
+    if not job_id:
+        return None
+    memory = environment.get("SLURM_MEM_PER_NODE", "").strip()
+    return {
+        "job_id": job_id,
+        "cluster": environment.get("SLURM_CLUSTER_NAME") or None,
+        "mem_mib": int(memory) if memory.isdigit() else None,
+    }
 
 
 def cgroup_record(cgroup) -> dict[str, Any]:
@@ -197,11 +217,12 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
         run_dir.mkdir(parents=True)
         resuming = False
     (run_dir / "config.yaml").write_text(resolved)
-    # A resumed run drops what the last session ended with (the guard's stop, an error).
+    # A resumed run drops what the last session ended with (the guard's stop, an error) and the Slurm job it
+    # ran in (process_identity records this session's, if any).
     state = {
         key: value
         for key, value in read_state(run_dir).items()
-        if key not in {"stopped", "error", "guard", "leaving"}
+        if key not in {"stopped", "error", "guard", "leaving", "slurm"}
     }
     if state:
         write_json(run_dir / STATE_FILE, state)
