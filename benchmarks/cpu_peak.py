@@ -424,10 +424,18 @@ def run_train(args) -> dict:
     return rows
 
 
-def run_predict(args) -> dict:
-    sys.path.insert(0, str(HERE))
-    import inference_speed
+UNTRAINED_MODEL = """
+import pathlib
+from bigmem_train.config import load_config
+from bigmem_train.model.unet import build_unet
+folder = pathlib.Path({folder!r})
+config = load_config(None, {{"model.depth": 4, "model.base_filters": 16}})
+(folder / "checkpoints").mkdir()
+build_unet(config.model, (32, 32, 32), 1).save(folder / "checkpoints" / "best.keras")
+"""
 
+
+def run_predict(args) -> dict:
     from bigmem_train.config import load_config
     from bigmem_train.memory import flops as model_flops
     from bigmem_train.memory import layers
@@ -437,8 +445,8 @@ def run_predict(args) -> dict:
     rows = {}
     with tempfile.TemporaryDirectory() as workdir:
         folder = Path(workdir)
-        # The model and volume inference_speed.py predicts (untrained weights: speed does not depend on them).
-        setup = inference_speed.SETUP.format(folder=str(folder), shape=", ".join(map(str, PREDICT_SHAPE)))
+        # The network inference_speed.py predicts with (untrained weights: speed does not depend on them).
+        setup = UNTRAINED_MODEL.format(folder=str(folder))
         subprocess.run([sys.executable, "-c", setup], check=True, env=child_environment(False))
         model = str(folder / "checkpoints" / "best.keras")
         for name, (engine, precision) in PREDICT_VARIANTS.items():

@@ -2,10 +2,11 @@
 against plain Keras ``model.predict`` at its best (issue 48).
 
 The peer is what a user would write: the study's U-Net (4 poolings, 16 filters, FLAIR, batch 1) built at the
-padded volume's shape, float32, plain ``model.predict`` with the same oneDNN TensorFlow. It runs in
-``--processes`` fresh processes, each timing its first call and ``--warm`` warm calls on the same volume; its
-figure is the best process's median warm call (the warm peer is bimodal on a shared 2-vCPU EPYC: one
-process in four ran at 10.3 s against 5.8–6.0 s), with the spread over processes and calls and the first calls.
+padded volume's shape with the kit's trained weights (below), float32, plain ``model.predict`` with the same
+oneDNN TensorFlow. It runs in ``--processes`` fresh processes, each timing its first call and ``--warm`` warm
+calls on the same volume; its figure is the best process's median warm call (the warm peer is bimodal on a
+shared 2-vCPU EPYC: one process in four ran at 10.3 s against 5.8–6.0 s), with the spread over processes and
+calls and the first calls.
 
 The kit's side is the whole command for ``--cases`` cases, in ``--precision auto`` (the default) and each
 explicit precision (int8 only where NNCF imports and the CPU has VNNI or AMX), each in fresh processes
@@ -14,15 +15,22 @@ cases' times from predict.json; wall / N where it holds none), the command's wal
 set (the process tree's, from wait4), and the precision predict.json says ran and why. One untimed run of
 each variant first fills the OpenVINO conversion cache beside the model, as a user's second predict finds it.
 
-The model has untrained weights in a folder with no run (no split.json): auto's Dice gate has no labelled
-validation cases there and runs float32, which predict.json's reason says, and explicit int8 is refused
-(exit 2) for the same reason; both are recorded. Speed and memory do not depend on the weights.
+The model is a real run of the study's network: ``bigmem-train run`` (untimed, once per invocation, or an
+earlier one reused with ``--run DIR``) trains it briefly on a small synthetic Decathlon-layout dataset
+(:data:`TRAINING_JOB`: 64x64x48 crops), so the run has a split.json and labelled validation cases. auto's
+Dice gate (:mod:`bigmem_train.infer.precision`) therefore runs on them, in the first untimed predict, and
+picks int8, bfloat16 or float32; explicit int8 (NNCF, calibrated on the run's training crops) runs where
+its gate passes. The file records the training (its seconds and its whole-volume validation Dice), which
+precision auto chose and why, and the gates' figures (pooled Dice per structure of each precision and of
+float32, and their masks' agreement) from predict.json and precision-gate.json. ``--epochs`` sets the
+training's length; the volumes predicted are the random ones of before (speed does not depend on them).
 
 Ratios come from the same run's medians: the peer's best warm call over the kit's median steady per case,
 the kit's median peak over the peer's median peak. The load average is recorded before every process.
 
     python benchmarks/inference_speed.py --out benchmarks/results/inference_speed-warm-epyc.json
     python benchmarks/inference_speed.py --shape 160 160 96 --out ...   # a smaller volume, said in the file
+    python benchmarks/inference_speed.py --run /tmp/study-run ...   # train there once, reuse it afterwards
 
 Writes benchmarks/results/inference_speed-warm-epyc.json (or --out) and prints a table.
 """
@@ -48,17 +56,27 @@ STUDY_SHAPE = (240, 240, 155)
 # 4 poolings: each padded side a multiple of 2**4.
 POOLING_MULTIPLE = 16
 ENV = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+# The kit's model: the study's network (4 poolings, 16 base filters, FLAIR, tumour against the rest) trained
+# briefly on 12 synthetic cases (9 train, 3 validation) in 64x64x48 crops: a few minutes on 2 cores, enough
+# to learn the phantom's tumour, so the gate compares real masks. results_dir and run_name are added.
+TRAINING_JOB = {
+    "data": {
+        "source": "synthetic",
+        "synthetic_cases": 12,
+        "synthetic_shape": [72, 72, 56],
+        "input_shape": [64, 64, 48],
+        "channels": [0],
+        "label_mode": "binary",
+        "crop_jitter": 4,
+    },
+    "model": {"depth": 4, "base_filters": 16},
+    "training": {"batch_size": 2, "epochs": 10, "learning_rate": 0.003},
+    "output": {"tensorboard": False},
+}
 
-SETUP = """
-import pathlib, numpy as np, nibabel as nib, yaml
-from bigmem_train.config import load_config
-from bigmem_train.model.unet import build_unet
+CASES = """
+import pathlib, numpy as np, nibabel as nib
 folder = pathlib.Path({folder!r})
-job = {{"data": {{"channels": [0]}}, "model": {{"depth": 4, "base_filters": 16}}}}
-(folder / "config.yaml").write_text(yaml.safe_dump(job))
-config = load_config(folder / "config.yaml")
-(folder / "checkpoints").mkdir()
-build_unet(config.model, (32, 32, 32), 1).save(folder / "checkpoints" / "best.keras")
 (folder / "cases").mkdir()
 for index in range({cases}):
     rng = np.random.default_rng(index)
@@ -72,11 +90,11 @@ import json, time, numpy as np, nibabel as nib, keras
 import bigmem_train.model.unet  # the kit's layers, for loading its archive
 from bigmem_train.config import load_config
 from bigmem_train.model.unet import build_unet
-folder = {folder!r}
-config = load_config(folder + "/config.yaml")
-saved = keras.models.load_model(folder + "/checkpoints/best.keras", compile=False)
+folder, run = {folder!r}, {run!r}
+config = load_config(run + "/config.yaml")
+saved = keras.models.load_model({model!r}, compile=False)
 model = build_unet(config.model, {padded}, 1)  # the model at the padded volume's shape, as a user builds it
-model.set_weights(saved.get_weights())
+model.set_weights(saved.get_weights())  # the run's trained weights, as the kit predicts with
 image = np.asarray(nib.load(folder + "/cases/case0.nii.gz").dataobj[..., 0], dtype=np.float32)
 brain = image != 0
 image[brain] = (image[brain] - image[brain].mean()) / image[brain].std()
@@ -114,6 +132,78 @@ def int8_available() -> tuple[bool, str]:
     return True, "nncf imports and the CPU has VNNI or AMX"
 
 
+def train_run(run: Path, log: Path, epochs: int) -> dict:
+    """The kit's model: ``run`` reused when it holds a trained model, else trained there now by
+    ``bigmem-train run`` (untimed by the benchmark; its own seconds recorded). Raises SystemExit when the run
+    is not the study's network or training leaves no model."""
+    import yaml
+
+    from bigmem_train.errors import BadInput
+    from bigmem_train.infer.source import resolve_model, validation_names
+
+    trained_here = not (run / "checkpoints" / "best.keras").is_file()
+    command_seconds = None
+    if trained_here:
+        job = {
+            **TRAINING_JOB,
+            "training": {**TRAINING_JOB["training"], "epochs": epochs},
+            "output": {**TRAINING_JOB["output"], "results_dir": str(run.parent), "run_name": run.name},
+        }
+        run.parent.mkdir(parents=True, exist_ok=True)
+        config_path = run.parent / f"{run.name}.yaml"
+        config_path.write_text(yaml.safe_dump(job, sort_keys=False))
+        print(f"training the kit's model in {run} (untimed; log {log})", flush=True)
+        command = [sys.executable, "-m", "bigmem_train.cli", "run", "--config", str(config_path)]
+        started = time.perf_counter()
+        with log.open("w") as output:
+            returncode = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, env=ENV).returncode
+        command_seconds = round(time.perf_counter() - started, 1)
+        # Exit 1 is a verdict that failed (a Dice floor missed): the model exists and the gate judges it.
+        if returncode not in (0, 1) or not (run / "checkpoints" / "best.keras").is_file():
+            raise SystemExit(
+                f"training the kit's model failed (exit {returncode}): {log.read_text()[-2000:]}"
+            )
+    try:
+        source = resolve_model(run)
+        validation = sorted(validation_names(source))
+    except BadInput as error:
+        raise SystemExit(f"--run {run}: {error}") from None
+    model, config = source.config.model, source.config
+    if (model.depth, model.base_filters, source.input_channels, source.output_classes) != (4, 16, 1, 1):
+        raise SystemExit(
+            f"--run {run}: not the study's network (depth 4, 16 base filters, 1 channel, 1 class): depth "
+            f"{model.depth}, {model.base_filters} base filters, {source.input_channels} channel(s), "
+            f"{source.output_classes} class(es)"
+        )
+    metrics = _read_json(run / "metrics.json")
+    evaluation = _read_json(run / "evaluation" / "evaluation.json")
+    return {
+        "run": str(run),
+        "model": str(source.model_path),
+        "trained_here": trained_here,
+        "command_seconds": command_seconds,
+        "train_seconds": metrics.get("train_seconds_this_session"),
+        "epochs": config.training.epochs,
+        "batch_size": config.training.batch_size,
+        "crop": list(config.data.input_shape),
+        "dataset": str(config.data.path),
+        "train_cases": metrics.get("train_cases"),
+        "validation_cases": validation,
+        "validation_dice": {
+            structure: {key: row[key] for key in ("pooled_dice", "mean_dice", "cases")}
+            for structure, row in (evaluation.get("summary") or {}).items()
+        },
+        "verdict": _read_json(run / "verdict.json").get("verdict"),
+    }
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def timed_process(command: list[str], log: Path) -> dict:
     """Run ``command`` in a fresh process: exit status, wall seconds, peak resident set of its tree."""
     load = os.getloadavg()
@@ -129,9 +219,18 @@ def timed_process(command: list[str], log: Path) -> dict:
     }
 
 
-def run_peer(folder: Path, padded: tuple[int, ...], shape: tuple[int, ...], warm: int, index: int) -> dict:
+def run_peer(
+    folder: Path, training: dict, padded: tuple[int, ...], shape: tuple[int, ...], warm: int, index: int
+) -> dict:
     slices = ", ".join(f"{(p - s) // 2}:{(p - s) // 2 + s}" for p, s in zip(padded, shape, strict=True))
-    script = PEER.format(folder=str(folder), padded=padded, slices=slices, warm=warm)
+    script = PEER.format(
+        folder=str(folder),
+        run=training["run"],
+        model=training["model"],
+        padded=padded,
+        slices=slices,
+        warm=warm,
+    )
     log = folder / f"peer-{index}.log"
     result = timed_process([sys.executable, "-c", script], log)
     if result["returncode"] != 0:
@@ -140,10 +239,10 @@ def run_peer(folder: Path, padded: tuple[int, ...], shape: tuple[int, ...], warm
     return result
 
 
-def run_kit(folder: Path, name: str, index: int, cases: int | None = None) -> dict:
+def run_kit(folder: Path, run: str, name: str, index: int, cases: int | None = None) -> dict:
     out = folder / f"{name.replace(' ', '-')}-{index}"
     data = sorted((folder / "cases").glob("*.nii.gz"))[:cases]
-    command = [sys.executable, "-m", "bigmem_train.cli", "predict", "--model", str(folder), "--data"]
+    command = [sys.executable, "-m", "bigmem_train.cli", "predict", "--model", run, "--data"]
     command += [*map(str, data), "--out", str(out), "--engine", "openvino", *VARIANTS[name]]
     log = folder / f"{out.name}.log"
     result = timed_process(command, log)
@@ -154,6 +253,7 @@ def run_kit(folder: Path, name: str, index: int, cases: int | None = None) -> di
         {
             "precision": summary.get("precision"),
             "precision_reason": summary.get("precision_reason"),
+            "precision_gate": summary.get("precision_gate"),
             "case_seconds": times,
         }
     )
@@ -201,6 +301,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
             "measured": True,
             "precision_ran": sorted({row["precision"] for row in done}),
             "precision_reason": done[0]["precision_reason"],
+            "precision_gate": gate_figures(done[0].get("precision_gate")),
             "median_first_case_seconds": round(
                 statistics.median(row["first_case_seconds"] for row in done), 3
             ),
@@ -221,6 +322,39 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
     return summary
 
 
+def gate_figures(gates: dict | None) -> dict | None:
+    """Per candidate, what its gate says (predict.json's or precision-gate.json's record, without its paths):
+    pooled Dice per structure of float32 and of the candidate against the labels, their masks' agreement."""
+    if not gates:
+        return None
+    keys = (
+        "skipped",
+        "cases",
+        "pooled_dice",
+        "agreement_dice",
+        "passed",
+        "failures",
+        "seconds",
+        "thresholds",
+    )
+    return {
+        candidate: {key: record[key] for key in keys if key in record} for candidate, record in gates.items()
+    }
+
+
+def precision_gate(training: dict, warmup: dict) -> dict:
+    """What auto chose in its first (untimed) predict, which ran the gate, and precision-gate.json's records."""
+    auto = warmup.get("kit auto", {})
+    stored = _read_json(Path(training["model"]).parent / "precision-gate.json").get("gates", {})
+    return {
+        "auto_chose": auto.get("precision"),
+        "auto_reason": auto.get("precision_reason"),
+        "auto_gates": gate_figures(auto.get("precision_gate")),
+        # precision-gate.json's entries are keyed "digest engine precision": here "engine precision".
+        "file": {key.split(" ", 1)[-1]: figures for key, figures in (gate_figures(stored) or {}).items()},
+    }
+
+
 def versions() -> dict:
     found = {"python": platform.python_version()}
     # TensorFlow is installed under one of several distribution names.
@@ -236,7 +370,25 @@ def versions() -> dict:
     return found
 
 
-def print_table(summary: dict, cases: int) -> None:
+def print_table(summary: dict, cases: int, training: dict, gate: dict) -> None:
+    dice = ", ".join(f"{name} {row['pooled_dice']:.4f}" for name, row in training["validation_dice"].items())
+    seconds = training["train_seconds"]
+    print(
+        f"model: {training['run']} ({'trained now' if training['trained_here'] else 'reused'}, "
+        f"{training['epochs']} epochs of {'x'.join(map(str, training['crop']))} crops"
+        f"{f' in {seconds:.0f} s' if seconds is not None else ''}; validation pooled Dice {dice or 'none'})"
+    )
+    print(f"auto chose {gate['auto_chose']}: {gate['auto_reason']}")
+    for candidate, record in sorted((gate["auto_gates"] or {}).items()):
+        if "skipped" in record:
+            print(f"  gate {candidate}: skipped ({record['skipped']})")
+            continue
+        figures = "; ".join(
+            f"{structure} {record['pooled_dice'][candidate][structure]:.4f} vs float32 {value:.4f}, "
+            f"agreement {record['agreement_dice'][structure]:.4f}"
+            for structure, value in record["pooled_dice"]["float32"].items()
+        )
+        print(f"  gate {candidate}: {'passed' if record['passed'] else 'missed'} ({figures})")
     peer = summary["peer"]
     print(
         f"| | precision ran | first case s | steady s/case | wall s ({cases} cases) | peak GiB | speed | memory |"
@@ -273,6 +425,18 @@ def main() -> None:
     )
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument(
+        "--run",
+        type=Path,
+        help="the kit's model: a run of the study's network to reuse, or where to train one and keep it "
+        "(default: trained in a temporary folder and deleted)",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=TRAINING_JOB["training"]["epochs"],
+        help=f"epochs of a run trained now (default {TRAINING_JOB['training']['epochs']})",
+    )
+    parser.add_argument(
         "--out", type=Path, default=RESULTS, help=f"default {RESULTS.relative_to(HERE.parent)}"
     )
     args = parser.parse_args()
@@ -284,19 +448,23 @@ def main() -> None:
         variants.remove("kit int8")
     with tempfile.TemporaryDirectory() as workdir:
         folder = Path(workdir)
-        setup = SETUP.format(folder=str(folder), shape=", ".join(map(str, shape)), cases=args.cases)
+        run = (args.run or folder / "runs" / "study-unet").resolve()
+        training = train_run(run, folder / "training.log", args.epochs)
+        setup = CASES.format(folder=str(folder), shape=", ".join(map(str, shape)), cases=args.cases)
         subprocess.run([sys.executable, "-c", setup], check=True, env=ENV)
-        warmup = {name: run_kit(folder, name, -1, cases=1) for name in variants}
+        # The first predict of auto runs its gate on the run's validation cases (cached beside the model).
+        warmup = {name: run_kit(folder, training["run"], name, -1, cases=1) for name in variants}
+        gate = precision_gate(training, warmup)
         runs: dict[str, list[dict]] = {name: [] for name in ["peer", *variants]}
         for index in range(args.processes):
             for name in runs:
                 if name == "peer":
-                    result = run_peer(folder, padded, shape, args.warm, index)
+                    result = run_peer(folder, training, padded, shape, args.warm, index)
                     text = f"first {result['first_seconds']:.2f} s, warm " + ", ".join(
                         f"{value:.2f}" for value in result["warm_seconds"]
                     )
                 else:
-                    result = run_kit(folder, name, index)
+                    result = run_kit(folder, training["run"], name, index)
                     text = result.get("error") or (
                         f"{result['precision']}: first {result['first_case_seconds']:.2f} s, steady "
                         f"{result['steady_seconds']:.2f} s, wall {result['wall_seconds']:.1f} s"
@@ -334,8 +502,10 @@ def main() -> None:
             "depth": 4,
             "base_filters": 16,
             "channels": ["FLAIR"],
-            "weights": "untrained, no run folder",
+            "weights": "trained: the run below",
         },
+        "training": training,
+        "precision_gate": gate,
         "processes": args.processes,
         "warm_calls": args.warm,
         "cases": args.cases,
@@ -351,7 +521,7 @@ def main() -> None:
     }
     args.out.parent.mkdir(exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
-    print_table(summary, args.cases)
+    print_table(summary, args.cases, training, gate)
     print(json.dumps(goals))
 
 

@@ -34,10 +34,13 @@ import tomllib
 
 with open(sys.argv[1], "rb") as file:
     project = tomllib.load(file)["project"]
-# The runtime and the extras the image carries (OpenVINO for predict).
-dependencies = project["dependencies"] + project["optional-dependencies"]["openvino"]
-print("# From pyproject.toml [project.dependencies] and the openvino extra; tensorflow -> tensorflow-cpu.")
-for requirement in dependencies:
+# The runtime and the extras the image carries: OpenVINO for predict, NNCF for its int8 precision.
+extras = ("openvino", "int8")
+dependencies = project["dependencies"] + [
+    requirement for extra in extras for requirement in project["optional-dependencies"][extra]
+]
+print("# From pyproject.toml [project.dependencies], the openvino and int8 extras; tensorflow -> tensorflow-cpu.")
+for requirement in dict.fromkeys(dependencies):
     print(re.sub(r"^tensorflow(?=[<>=!~ \[;]|$)", "tensorflow-cpu", requirement))
 EOF
 
