@@ -288,7 +288,29 @@ def test_auto_takes_int8_first_when_its_masks_pass_the_gate(run, tmp_path, engin
     assert list(choice.gates) == ["int8"] and choice.gates["int8"]["passed"]
     assert choice.reason.startswith("int8 within the Dice gate of float32 on 2 validation case(s)")
     (key,) = json.loads((run / "checkpoints" / GATE_FILE).read_text())["gates"]
-    assert key.endswith(" openvino int8")
+    layers = precision.float_layers_precision()
+    assert key.endswith(f" openvino int8 float-layers={layers}")
+    assert choice.gates["int8"]["float_layers"] == layers
+
+
+def test_int8_is_judged_again_when_its_float_layers_run_at_another_precision(
+    run, tmp_path, engines, openvino, monkeypatch
+):
+    """int8's masks depend on the precision of the layers NNCF left in float (bf16 where native): a gate
+    judged with f32 float layers does not stand for bf16 ones."""
+    monkeypatch.setattr(precision, "float_layers_precision", lambda: "f32")
+    choose_precision(_request(run, tmp_path, engine="openvino"), "auto", INT8_CPU)
+    engines["made"].clear()
+    choose_precision(_request(run, tmp_path, engine="openvino"), "auto", INT8_CPU)
+    assert engines["made"] == []
+    monkeypatch.setattr(precision, "float_layers_precision", lambda: "bf16")
+    choice = choose_precision(_request(run, tmp_path, engine="openvino"), "auto", INT8_CPU)
+    assert engines["made"] == ["float32", "int8"] and choice.gates["int8"]["float_layers"] == "bf16"
+    keys = sorted(json.loads((run / "checkpoints" / GATE_FILE).read_text())["gates"])
+    assert [key.split(" ", 1)[1] for key in keys] == [
+        "openvino int8 float-layers=bf16",
+        "openvino int8 float-layers=f32",
+    ]
 
 
 def test_auto_falls_back_to_bfloat16_when_int8_misses_the_gate(run, tmp_path, engines, openvino):

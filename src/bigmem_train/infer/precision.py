@@ -45,7 +45,7 @@ from bigmem_train.data.prepare import prepare_image
 from bigmem_train.data.reader import Case, read_index
 from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.infer.engine import file_digest, make_engine, native_precisions, resolve_engine
-from bigmem_train.infer.int8 import int8_unavailable, make_int8_engine, refusal
+from bigmem_train.infer.int8 import float_layers_precision, int8_unavailable, make_int8_engine, refusal
 from bigmem_train.infer.predict import PredictRequest, labels_from, plan_cases, predict_probabilities
 from bigmem_train.infer.source import ImageCase, ModelSource, validation_names
 from bigmem_train.verdict.evaluate import _load_volume, _structures_for, score_case, summarize
@@ -106,6 +106,10 @@ def _thresholds() -> dict:
 
 
 def gate_key(digest: str, engine: str, precision: str) -> str:
+    """The cache key of a gate: the model file, the engine and the precision; int8's names the precision its
+    float layers run at too (:func:`.int8.float_layers_precision`), which changes its masks."""
+    if precision == "int8":
+        precision = f"int8 float-layers={float_layers_precision()}"
     return f"{digest} {engine} {precision}"
 
 
@@ -248,8 +252,10 @@ def run_gate(
         for name, rows in scores.items()
     }
     failures = judge(pooled["float32"], pooled[candidate], pooled["agreement"])
+    float_layers = {"float_layers": float_layers_precision()} if candidate == "int8" else {}
     return {
         "precision": candidate,
+        **float_layers,
         "engine": resolve_engine(request.engine),
         "model": str(request.source.model_path),
         "model_digest": file_digest(request.source.model_path),

@@ -320,6 +320,8 @@ def predict(request: PredictRequest, plans: dict[str, InferencePlan] | None = No
                 summary["quantization"] = {
                     "planned_peak_bytes": planned_quantization_bytes(request.source),
                     "cached": engine.quantization is None,
+                    # OpenVINO's precision for the layers NNCF left in float (int8.float_layers_precision).
+                    "float_layers": getattr(engine, "float_precision", None),
                     **(engine.quantization or {}),
                 }
             _write_summary(summary_path, summary)
