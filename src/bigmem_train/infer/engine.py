@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +168,22 @@ def file_digest(path: Path) -> str:
     return digest.hexdigest()[:20]
 
 
+def cached_or_made(targets: Sequence[Path], make: Callable[[Path], bool], refusal: str) -> Path:
+    """Each of ``targets`` in turn: the copy there if it exists, else made there by ``make`` if its folder can
+    be made and written (``make`` returns False to go on to the next: a read-only mount it met); BadInput
+    ``refusal`` when none is. The OpenVINO conversion and the int8 model share it."""
+    for target in targets:
+        if target.is_file():
+            return target
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue
+        if os.access(target.parent, os.W_OK) and make(target):
+            return target
+    raise BadInput(refusal)
+
+
 def converted_model(model_path: Path, converted: Callable[[dict], None] | None = None) -> Path:
     """OpenVINO's model.xml for a ``.keras`` file: from the cache, else converted by a child process (which
     imports TensorFlow; this one does not), whose peak resident set and time are handed to ``converted``.
@@ -175,15 +191,7 @@ def converted_model(model_path: Path, converted: Callable[[dict], None] | None =
     read-only container)."""
     from bigmem_train.memory.layers import cache_dir
 
-    digest = file_digest(model_path)
-    for root in (cache_dir() / "openvino", Path(tempfile.gettempdir()) / "bigmem-train-openvino"):
-        target = root / digest / "model.xml"
-        if target.is_file():
-            return target
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
+    def convert(target: Path) -> bool:
         print("predict: converting the model for OpenVINO (once per model)", file=sys.stderr, flush=True)
         started = time.monotonic()
         result = subprocess.run(
@@ -202,7 +210,7 @@ def converted_model(model_path: Path, converted: Callable[[dict], None] | None =
             }
             if converted is not None:
                 converted(record)
-            return target
+            return True
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         if lines and lines[-1].startswith("BadInput: "):
             raise BadInput(lines[-1].removeprefix("BadInput: "))
@@ -212,7 +220,12 @@ def converted_model(model_path: Path, converted: Callable[[dict], None] | None =
             raise BadInput(
                 f"{model_path}: OpenVINO could not convert it ({lines[-1] if lines else 'no output'})"
             )
-    raise BadInput(f"{model_path}: no writable folder for OpenVINO's converted model (set BIGMEM_CACHE_DIR)")
+        return False
+
+    digest = file_digest(model_path)
+    roots = (cache_dir() / "openvino", Path(tempfile.gettempdir()) / "bigmem-train-openvino")
+    refusal = f"{model_path}: no writable folder for OpenVINO's converted model (set BIGMEM_CACHE_DIR)"
+    return cached_or_made([root / digest / "model.xml" for root in roots], convert, refusal)
 
 
 def _convert(model_path: Path, target: Path) -> None:

@@ -40,7 +40,13 @@ import numpy as np
 from bigmem_train.data.prepare import prepare_case
 from bigmem_train.data.reader import read_index
 from bigmem_train.errors import EXIT_FAIL, BadInput, BigmemError
-from bigmem_train.infer.engine import NATIVE_FLAGS, converted_model, file_digest, native_precisions
+from bigmem_train.infer.engine import (
+    NATIVE_FLAGS,
+    cached_or_made,
+    converted_model,
+    file_digest,
+    native_precisions,
+)
 from bigmem_train.infer.source import ModelSource
 
 # CPU flags with a native int8 dot product (VNNI in AVX-512 or AVX, AMX's int8 tiles): int8 is then the
@@ -286,15 +292,8 @@ def quantized_model(
     float_model = converted_model(model_path)
     name = f"int8-{_short_hash(json.dumps([calibration.key, QUANTIZATION], sort_keys=True))}.xml"
     fallback = Path(tempfile.gettempdir()) / "bigmem-train-openvino" / file_digest(model_path) / name
-    for target in (float_model.parent / name, fallback):
-        if target.is_file():
-            return target
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            continue
-        if not os.access(target.parent, os.W_OK):
-            continue
+
+    def quantize_to(target: Path) -> bool:
         print(
             f"predict: quantizing the model to int8 on {calibration.count} training crops (once per model)",
             file=sys.stderr,
@@ -304,8 +303,10 @@ def quantized_model(
         quantize(float_model, calibration.batches(), target)
         if quantized is not None:
             quantized({"seconds": round(time.monotonic() - started, 1), "crops": calibration.count})
-        return target
-    raise BadInput(f"{model_path}: no writable folder for the int8 model (set BIGMEM_CACHE_DIR)")
+        return True
+
+    refusal = f"{model_path}: no writable folder for the int8 model (set BIGMEM_CACHE_DIR)"
+    return cached_or_made([float_model.parent / name, fallback], quantize_to, refusal)
 
 
 def int8_layers(compiled_model) -> list[str]:
