@@ -7,7 +7,9 @@ status``/``logs`` and stopped with ``slurm stop``; bad input (unknown partition,
 partition, a bad --time, no Slurm client, no controller) is one line, exit 2, and nothing submitted; every
 --time form ``submit`` accepts, sbatch accepts. On a second cluster that kills a job whose RSS passes its
 --mem (jobacct_gather's OverMemoryKill, no cgroups), the kit's batch script with a --mem below what the job
-touches is killed, and ``validate`` names Slurm's kill for memory, exit 1.
+touches is killed, and ``validate`` names Slurm's kill for memory, exit 1. On a third, of two nodes (one slurmd
+in each of two network namespaces), a multi_worker job submitted with ``--nodes 2`` runs one worker on each
+node, with one worker's plan as --mem, and the chief's verdict passes.
 
 The node declares 1.5 times the tiny job's --mem as its RealMemory (a node may declare less than it has),
 so that two tiny jobs cannot run side by side: memory, not CPUs, decides (each asks for one CPU).
@@ -31,6 +33,7 @@ from bigmem_train.host import read_host_facts
 from bigmem_train.memory.plan import plan_job
 from bigmem_train.ops.scheduler import bigmem_train_executable, check_time
 from tests.fixtures.common import free_port, write_tiny_job
+from tests.fixtures.slurm import NETWORK
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +47,18 @@ ACCEPTED_TIMES = ["30", "30:00", "2:30:00", "1-12", "1-12:30", "1-12:30:15", "UN
 def _request_mib(job: Path) -> int:
     config = load_config(str(job), {"runtime.intra_op_threads": 1}, {})
     return math.ceil(plan_job(config, read_host_facts(), to_run_here=False).peak_bytes * 1.03 / 2**20)
+
+
+def _worker_request_mib(job: Path, workers: int, monkeypatch) -> int:
+    """--mem of one worker of ``workers``, planned as `run` plans it on its node: with TF_CONFIG naming them."""
+    addresses = [f"w{index}:1" for index in range(workers)]
+    monkeypatch.setenv(
+        "TF_CONFIG", json.dumps({"cluster": {"worker": addresses}, "task": {"type": "worker", "index": 0}})
+    )
+    try:
+        return _request_mib(job)
+    finally:
+        monkeypatch.delenv("TF_CONFIG")
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +300,67 @@ def test_a_job_slurm_kills_for_memory_is_named_by_validate(slurm_cluster_over_me
         rf"{KILL_MEM_MIB * 2**20}\), being killed'\); 0 of 200 epochs finished",
         finished,
     ), finished
+
+
+def test_a_multi_worker_job_on_two_nodes_runs_a_worker_on_each_and_passes(
+    slurm_cluster_two_nodes, tmp_path, monkeypatch
+):
+    """srun starts one worker per node; each builds its TF_CONFIG from Slurm's environment (the nodes at their
+    NodeAddr, in two network namespaces), the two train in lockstep, and the chief validates. Both write to the
+    one results folder, as nodes sharing it would: the chief its run directory, worker 1 its own."""
+    cluster = slurm_cluster_two_nodes
+    # 12 cases: 8 training, 4 validation, global batch 2 (one sample per worker and step).
+    job = write_tiny_job(tmp_path / "job.yaml", epochs=2, strategy="multi_worker", cases=12)
+    done = submit(cluster, job, "two", "--nodes", "2", "--time", "10:00")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    ended = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 240)
+    log = tmp_path / "results" / f"two.slurm-{job_id}.out"
+    text = log.read_text()
+    assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", text[-4000:]
+    # Two nodes, a worker on each, each node asked for one worker's plan (half the global batch).
+    assert (ended["NumNodes"], ended["NodeList"]) == ("2", "n[1-2]"), ended
+    request = _worker_request_mib(job, 2, monkeypatch)
+    assert request < _request_mib(job) and ended["MinMemoryNode"] == f"{request}M", ended
+    assert ended["TRES"].startswith(f"cpu=2,mem={2 * request}M,node=2"), ended
+    # srun --label: each line of the log names the worker that wrote it.
+    for index in (0, 1):
+        assert f"{index}: bigmem-train: run directory " in text, text[-4000:]
+    assert re.search(r"(?m)^0: .*PASS", text) and re.search(r"(?m)^1: TRAINED ", text), text[-4000:]
+    chief, worker = tmp_path / "results" / "two", tmp_path / "results" / "two.worker1"
+    assert json.loads((chief / "verdict.json").read_text())["verdict"] == "PASS"
+    assert not (worker / "verdict.json").exists(), "only the chief validates and reports"
+    for run in (chief, worker):
+        assert json.loads((run / "state.json").read_text())["state"] == "finished"
+        metrics = json.loads((run / "metrics.json").read_text())
+        assert (metrics["strategy"], metrics["workers"]) == ("multi_worker", 2), metrics
+        assert json.loads((run / "state.json").read_text())["slurm"]["job_id"] == job_id
+    assert (chief / "history.csv").read_text() == (worker / "history.csv").read_text()
+    status = bigmem_train(cluster, tmp_path, "slurm", "status", "two").stdout.splitlines()
+    assert (
+        status[0] == f"two: Slurm job {job_id} COMPLETED on n1, exit code 0" and "  verdict: PASS" in status
+    )
+
+
+def test_each_task_of_a_two_node_step_gets_its_own_tf_config(slurm_cluster_two_nodes, tmp_path):
+    """`slurm tf-config` in each task of `srun --nodes 2 --ntasks-per-node 1`: the same cluster, the nodes at
+    their NodeAddr and one port from the job id, and the task's own index."""
+    cluster = slurm_cluster_two_nodes
+    done = subprocess.run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", "--mem=50M", "--label"]
+        + [str(bigmem_train_executable()), "slurm", "tf-config"],
+        env={**cluster.env, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    by_task = dict(line.split(": ", 1) for line in done.stdout.splitlines())
+    configs = [json.loads(by_task[str(index)]) for index in (0, 1)]
+    workers = configs[0]["cluster"]["worker"]
+    port = int(workers[0].rsplit(":", 1)[1])
+    assert workers == [f"{NETWORK}.11:{port}", f"{NETWORK}.12:{port}"] and 20000 <= port < 30000
+    assert [config["task"] for config in configs] == [{"type": "worker", "index": i} for i in (0, 1)]
+    assert configs[1]["cluster"] == configs[0]["cluster"]

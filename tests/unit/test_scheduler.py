@@ -1,11 +1,15 @@
 """``bigmem-train submit`` without Slurm: the batch script's --mem is the plan's envelope peak rounded up to
 MiB, --time is checked, a plan larger than the partition's nodes is refused (exit 3), and --dry-run
-submits nothing. ``sinfo`` and ``sbatch`` are stand-ins (``scheduler.run_client`` replaced)."""
+submits nothing; a multi_worker job on N nodes gets one worker per node from srun, --mem one worker's plan,
+and each worker's TF_CONFIG from Slurm's environment (``slurm tf-config``). ``sinfo``, ``sbatch`` and
+``scontrol`` are stand-ins (``scheduler.run_client`` replaced)."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shlex
 import subprocess
 
 import pytest
@@ -16,11 +20,12 @@ from bigmem_train.errors import BadInput
 from bigmem_train.host import read_host_facts
 from bigmem_train.memory.plan import plan_job
 from bigmem_train.ops import scheduler
+from bigmem_train.ops.distribute import parse_tf_config
 from tests.fixtures.common import write_tiny_job
 
 
-def _plan(job):
-    return plan_job(load_config(str(job), {}, {}), read_host_facts(), to_run_here=False)
+def _plan(job, overrides=None):
+    return plan_job(load_config(str(job), overrides or {}, {}), read_host_facts(), to_run_here=False)
 
 
 class StandInSlurm:
@@ -137,8 +142,8 @@ def test_a_plan_of_exactly_the_nodes_memory_fits(tiny, tmp_path, monkeypatch):
             "--nodes 3: partition bigmem has 2 node(s)",
         ),
         (
-            ["--nodes", "2", "--set", "training.strategy=multi_worker"],
-            "submit starts one task on one node and does not start multi-worker jobs yet",
+            ["--nodes", "2", "--set", "training.strategy=multi_worker", "--set", "training.batch_size=3"],
+            "training.batch_size 3 must be divisible by the 2 workers",
         ),
     ],
 )
@@ -150,6 +155,132 @@ def test_bad_input_is_one_line_and_submits_nothing(tiny, tmp_path, monkeypatch, 
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
     assert all(call[0] != "sbatch" for call in stand_in.calls)
+
+
+def test_a_multi_worker_job_on_two_nodes_runs_one_worker_per_node_with_one_workers_plan(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    """--mem is the plan of one worker (half the global batch), computed here as `run` plans it on each node:
+    with a TF_CONFIG of two workers; srun starts the workers, each with its TF_CONFIG from Slurm."""
+    monkeypatch.setattr(scheduler, "run_client", StandInSlurm(memory_mib=64 * 1024, nodes=2))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    argv = ["submit", "--config", str(tiny), "--run-name", "mw", "--set", "training.strategy=multi_worker"]
+    assert main([*argv, "--nodes", "2", "--set", "runtime.intra_op_threads=3", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "TF_CONFIG" not in os.environ  # the planner's stand-in is gone
+    two_workers = '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}'
+    monkeypatch.setenv("TF_CONFIG", two_workers)
+    per_worker = _plan(tiny, {"training.strategy": "multi_worker"})
+    monkeypatch.delenv("TF_CONFIG")
+    whole = _plan(tiny, {"training.strategy": "multi_worker"})
+    assert per_worker.workers == 2 and per_worker.peak_bytes < whole.peak_bytes
+    expected = math.ceil(per_worker.peak_bytes * 1.03 / 2**20)
+    script, plan = out.rstrip().rsplit("\n", 1)
+    lines = script.splitlines()
+    assert [line for line in lines if line.startswith("#SBATCH --n")] == [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+    ]
+    assert f"#SBATCH --mem={expected}M" in lines and "#SBATCH --cpus-per-task=3" in lines
+    assert plan.startswith("plan: peak ") and "batch 2 over 2 worker(s), 1 per node" in plan
+    srun = script.split("\nexec srun ", 1)[1].replace("\\\n", " ")
+    words = shlex.split(srun)
+    assert words[:5] == [
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=3",
+        "--kill-on-bad-exit=1",
+        "--label",
+    ]
+    # bash -c '...' BIGMEM_TRAIN run ...: the worker sets TF_CONFIG from `slurm tf-config`, then execs run.
+    assert words[5:7] == ["bash", "-c"] and '"$0" slurm tf-config' in words[7]
+    assert words[8] == str(scheduler.bigmem_train_executable()) and words[9] == "run"
+    assert words[-4:] == ["--results", str(tmp_path / "results"), "--run-name", "mw"]
+    # On one node too, the worker is started by srun with its TF_CONFIG: `run` needs one for multi_worker.
+    assert main([*argv, "--dry-run"]) == 0
+    one = capsys.readouterr().out
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n" in one and "\nexec srun --nodes=1 " in one
+
+
+def test_a_single_job_on_one_node_keeps_its_one_task_script(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(scheduler, "run_client", StandInSlurm(memory_mib=64 * 1024))
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", str(tiny), "--run-name", "s1", "--nodes", "1", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n#SBATCH --cpus-per-task=" in script
+    assert "srun" not in script and f"\nexec {scheduler.bigmem_train_executable()} run --config" in script
+
+
+class StandInScontrol:
+    """scontrol show hostnames / show node for nodes ``addresses`` (node name -> NodeAddr)."""
+
+    def __init__(self, addresses: dict[str, str]):
+        self.addresses = addresses
+        self.calls: list[list[str]] = []
+
+    def __call__(self, command, **options):
+        self.calls.append(command)
+        if command[:3] == ["scontrol", "show", "hostnames"]:
+            assert command[3] == "node[07-08]"
+            return subprocess.CompletedProcess(command, 0, "node07\nnode08\n", "")
+        if command[:4] == ["scontrol", "show", "node", "-o"]:
+            lines = "".join(
+                f"NodeName={name} Arch=x86_64 NodeAddr={self.addresses[name]} NodeHostName={name} State=MIXED\n"
+                for name in command[4].split(",")
+            )
+            return subprocess.CompletedProcess(command, 0, lines, "")
+        raise AssertionError(f"unexpected command {command}")
+
+
+def _task(rank: int, **changes: str) -> dict[str, str]:
+    """Slurm's environment in task ``rank`` of `srun --ntasks-per-node=1` on two nodes, job 31337."""
+    return {
+        "SLURM_JOB_ID": "31337",
+        "SLURM_STEP_NODELIST": "node[07-08]",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_PROCID": str(rank),
+        "SLURM_NODEID": str(rank),
+    } | changes
+
+
+def test_a_workers_tf_config_comes_from_slurms_environment(monkeypatch, capsys):
+    stand_in = StandInScontrol({"node07": "10.1.0.7", "node08": "node08"})
+    monkeypatch.setattr(scheduler, "run_client", stand_in)
+    port = 20000 + 31337 % 10000
+    for rank in (0, 1):
+        cluster = parse_tf_config(scheduler.slurm_tf_config(_task(rank)))
+        # Each node at its NodeAddr (the name where slurm.conf sets none), one port per job.
+        assert cluster.workers == (f"10.1.0.7:{port}", f"node08:{port}")
+        assert (cluster.task_type, cluster.index, cluster.is_chief) == ("worker", rank, rank == 0)
+    for name, value in _task(1).items():
+        monkeypatch.setenv(name, value)
+    assert main(["slurm", "tf-config"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed == {
+        "cluster": {"worker": [f"10.1.0.7:{port}", f"node08:{port}"]},
+        "task": {"type": "worker", "index": 1},
+    }
+
+
+@pytest.mark.parametrize(
+    "environment, message",
+    [
+        ({}, "SLURM_JOB_ID, SLURM_STEP_NUM_TASKS, SLURM_PROCID, SLURM_NODEID, SLURM_STEP_NODELIST not set"),
+        (_task(0, SLURM_PROCID=""), "SLURM_PROCID not set: run it in a task that srun starts"),
+        (_task(1, SLURM_STEP_NUM_TASKS="4", SLURM_NODEID="0"), "task 1 of 4 on node 0 of node[07-08]"),
+    ],
+    ids=["outside a job", "outside a step", "two tasks per node"],
+)
+def test_a_tf_config_outside_one_task_per_node_is_one_line(monkeypatch, capsys, environment, message):
+    monkeypatch.setattr(scheduler, "run_client", StandInScontrol({"node07": "node07", "node08": "node08"}))
+    for name in _task(0):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert main(["slurm", "tf-config"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
 
 
 def test_missing_or_silent_slurm_is_bad_input(tiny, tmp_path, monkeypatch, capsys):

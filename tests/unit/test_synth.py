@@ -168,3 +168,26 @@ def test_the_per_voxel_figure_covers_a_real_case(tmp_path):
     peak = int(result.stdout.split()[-1])
     # The image alone is 8 B per voxel: a peak below that would mean the measurement missed the case.
     assert 96**3 * 8 < peak <= 96**3 * CASE_BYTES_PER_VOXEL
+
+
+def test_processes_asking_for_one_dataset_at_once_all_get_it_whole(tmp_path):
+    """The workers of a multi-node Slurm job ask for the same dataset on one shared results folder at the
+    same moment: one writes it, the others wait on the lock beside it and reuse it (without the lock they
+    removed and replaced each other's partial files, and one failed)."""
+    out = tmp_path / "results" / "synthetic"
+    code = (
+        "import sys; from pathlib import Path; from bigmem_train.data.synth import write_synthetic_dataset; "
+        f"write_synthetic_dataset(Path(sys.argv[1]), cases=6, shape={SHAPE}, seed=7)"
+    )
+    processes = [
+        subprocess.Popen([sys.executable, "-c", code, str(out)], stderr=subprocess.PIPE, text=True)
+        for _ in range(3)
+    ]
+    outcomes = [(process.wait(timeout=120), process.stderr.read()) for process in processes]
+    assert [code for code, _ in outcomes] == [0, 0, 0], outcomes
+    messages = " ".join(text for _, text in outcomes)
+    assert messages.count("synthetic dataset: writing 6 cases") == 1, messages
+    assert messages.count("synthetic dataset: reusing") == 2, messages
+    assert len(check_dataset(small_config(out, channels="all", label_mode="multiclass"))) == 6
+    assert sorted(path.name for path in out.iterdir()) == ["dataset.json", "imagesTr", "labelsTr"]
+    assert sorted(path.name for path in out.parent.iterdir()) == [".synthetic.lock", "synthetic"]

@@ -160,8 +160,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="submit the job to Slurm with its plan as the memory request",
         description="Plan the job, refuse it (exit 3) when it exceeds the memory of the partition's largest "
         "node (sinfo RealMemory), render templates/slurm_job.sh.j2 with --mem set to the plan's envelope "
-        "peak plus the 3 % a run may end above it, and submit it with sbatch; prints the job id. See "
-        "docs/guides/slurm.md.",
+        "peak plus the 3 % a run may end above it, and submit it with sbatch; prints the job id. A "
+        "training.strategy multi_worker job runs on --nodes N nodes, one worker each started by srun, --mem "
+        "one worker's plan. See docs/guides/slurm.md.",
     )
     _add_run_flags(submit)
     submit.add_argument(
@@ -178,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         metavar="N",
-        help="nodes for the job (default 1; more than one needs training.strategy multi_worker, "
-        "which submit does not start yet)",
+        help="nodes for the job (default 1; more than one needs training.strategy multi_worker: srun "
+        "starts one worker per node, and --mem is one worker's plan)",
     )
     submit.add_argument(
         "--dry-run", action="store_true", help="print the batch script and the plan; submit nothing"

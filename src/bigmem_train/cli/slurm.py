@@ -2,6 +2,7 @@
 
 The Slurm twin of `bigmem-train remote status|logs|stop|fetch`: a job is named by its Slurm job id or
 its run name, Slurm says its state, and the run directory on the shared results folder says the rest.
+`slurm tf-config` is the twin of `remote tf-config`: each worker of a multi-node job runs it, inside the job.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "slurm",
         help="watch, stop and fetch jobs submitted to Slurm",
         description="Operate the jobs `bigmem-train submit` gave to Slurm: their state (Slurm's and the "
-        "run's), their output, scancel, and a copy of their run directory.",
+        "run's), their output, scancel, and a copy of their run directory; and, inside a multi-node job, "
+        "a worker's TF_CONFIG.",
         epilog=EPILOG,
     )
     actions = slurm.add_subparsers(dest="slurm_command", metavar="ACTION")
@@ -80,11 +82,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fetch.add_argument("--to", required=True, metavar="DIR", help="local folder to copy into")
     fetch.add_argument("--no-checkpoints", action="store_true", help="leave the model checkpoints out")
 
+    actions.add_parser(
+        "tf-config",
+        epilog="Exit codes: 0 printed, 2 bad input (not in a task srun started, more than one task on a "
+        "node, scontrol not answering). See docs/guides/slurm.md.",
+        help="print TF_CONFIG for this worker of a multi-node job (run by srun, in the job)",
+        description="Print TF_CONFIG for the task of a multi-node job this runs in, from Slurm's "
+        "environment: the step's nodes (scontrol show hostnames SLURM_STEP_NODELIST) at their NodeAddr, "
+        f"a port from the job id ({scheduler.WORKER_PORT_BASE} + the id modulo {scheduler.WORKER_PORT_SPAN}), "
+        "and SLURM_PROCID as the worker's index. The batch script of `submit --nodes N` runs it in each "
+        "worker before `bigmem-train run`.",
+    )
+
 
 def dispatch(args: argparse.Namespace) -> int:
     action = getattr(args, "slurm_command", None)
     if action is None:
-        raise BadInput("slurm: give an action: status, logs, stop, fetch (see bigmem-train slurm --help)")
+        raise BadInput(
+            "slurm: give an action: status, logs, stop, fetch, tf-config (see bigmem-train slurm --help)"
+        )
+    if action == "tf-config":
+        print(scheduler.slurm_tf_config())
+        return 0
     job = scheduler.find_job(args.job, Path(args.results))
     if action == "status":
         report = scheduler.job_status(job)

@@ -18,9 +18,12 @@ A folder holding a complete dataset written with the same parameters is reused a
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nibabel as nib
@@ -102,7 +105,29 @@ def write_synthetic_dataset(out_dir: Path, cases: int, shape: tuple[int, int, in
         "shape": list(shape),
         "seed": seed,
     }
+    # Several processes may ask for the same dataset at once (the workers of a multi-node Slurm job, two
+    # jobs on one shared results folder): one writes it, the others wait, then reuse it.
+    with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):
+        return _write_dataset(out_dir, cases, shape, seed, parameters)
 
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive POSIX lock on ``lock_path`` (NFS passes these between hosts). The file stays: removing
+    a lock file lets a waiting process lock the removed file while a new one locks its successor. Where the
+    lock cannot be made (a read-only parent folder), nothing is locked: there nothing can be written either."""
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(lock_path, "a")
+    except OSError:
+        yield
+        return
+    with handle:
+        fcntl.lockf(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _write_dataset(out_dir: Path, cases: int, shape: tuple[int, ...], seed: int, parameters: dict) -> Path:
     state = _folder_state(out_dir, parameters)
     if state == "complete":
         print(

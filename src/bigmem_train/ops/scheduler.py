@@ -4,18 +4,25 @@ The batch script is rendered from ``templates/slurm_job.sh.j2``; ``#SBATCH --mem
 peak with the 3 % it promises no run passes, rounded up to MiB, so the scheduler places the job only where
 that much memory is free and runs the next job beside it only when both fit. A plan larger than the
 partition's nodes (``sinfo`` RealMemory) is refused before anything is submitted.
+
+A ``training.strategy: multi_worker`` job on N nodes asks for N nodes, one task each, and ``--mem`` the plan
+of one worker (its share of the global batch); ``srun`` starts the workers, and each builds its TF_CONFIG
+from Slurm's environment (:func:`slurm_tf_config`, ``bigmem-train slurm tf-config``) before it runs.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import math
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from time import monotonic, sleep
@@ -27,6 +34,7 @@ from bigmem_train.config import Config
 from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.memory.constants import PLAN_COVERAGE
 from bigmem_train.memory.plan import JobPlan
+from bigmem_train.ops.distribute import TF_CONFIG_ENV, render_tf_config
 from bigmem_train.ops.render import render
 from bigmem_train.sizes import format_bytes
 from bigmem_train.verdict.postmortem import SLURM_ENDED
@@ -36,6 +44,10 @@ TEMPLATE = "slurm_job.sh.j2"
 # Slurm's --time formats (sbatch(1)): MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, and UNLIMITED.
 _TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+|\d+-\d+:\d{1,2}|\d+-\d+:\d{1,2}:\d{1,2})$")
 _TIMEOUT_S = 15
+# The all-reduce port of a multi-node job's workers: one per job (from its id), so two jobs sharing a node
+# do not collide; below Linux's ephemeral ports (32768 and up).
+WORKER_PORT_BASE = 20000
+WORKER_PORT_SPAN = 10000
 
 
 def run_client(command: list[str], **options) -> subprocess.CompletedProcess:
@@ -138,17 +150,10 @@ def check_nodes(nodes: int, strategy: str) -> None:
         )
 
 
-def check_nodes_in_partition(nodes: int, strategy: str, partition: Partition) -> None:
-    """BadInput when the partition has fewer than ``nodes`` nodes, or the job needs workers ``submit``
-    cannot start yet (one batch task on one node; srun does not start multi_worker's workers)."""
+def check_nodes_in_partition(nodes: int, partition: Partition) -> None:
+    """BadInput when the partition has fewer than ``nodes`` nodes: the job would wait in the queue for ever."""
     if nodes > partition.nodes:
         raise BadInput(f"--nodes {nodes}: partition {partition.name} has {partition.nodes} node(s)")
-    if strategy == "multi_worker":
-        raise BadInput(
-            f"training.strategy multi_worker (--nodes {nodes}): submit starts one task on one node and does "
-            f"not start multi-worker jobs yet; use `bigmem-train remote start GROUP` "
-            f"(docs/guides/remote-and-scale-out.md)"
-        )
 
 
 def check_fits_partition(plan: JobPlan, partition: Partition) -> None:
@@ -176,8 +181,10 @@ def batch_script(
     time: str | None,
     cpus: int,
     workdir: Path,
+    nodes: int = 1,
 ) -> str:
-    """The rendered batch script (``templates/slurm_job.sh.j2``)."""
+    """The rendered batch script (``templates/slurm_job.sh.j2``): one task on one node, or for a
+    multi_worker job one worker on each of ``nodes`` nodes, started by srun."""
     for path in (output, workdir):
         # The #SBATCH lines quote paths (a space is common); sbatch has no escape for a quote inside.
         if '"' in str(path) or "\n" in str(path):
@@ -189,6 +196,8 @@ def batch_script(
             "partition": partition.name,
             "mem_mib": mem_request_mib(plan),
             "cpus_per_task": cpus,
+            "multi_worker": plan.config.training.strategy == "multi_worker",
+            "nodes": nodes,
             "time_limit": time or "",
             "output": str(output),
             "workdir": str(workdir),
@@ -201,9 +210,12 @@ def batch_script(
 def plan_line(plan: JobPlan) -> str:
     """The plan behind --mem, in one line."""
     config = plan.config
+    batch = f"batch {config.training.batch_size}"
+    if config.training.strategy == "multi_worker":
+        batch += f" over {plan.workers} worker(s), {config.training.batch_size // plan.workers} per node"
     return (
         f"plan: peak {format_bytes(plan.peak_bytes)} -> --mem={mem_request_mib(plan)}M; "
-        f"batch {config.training.batch_size}, input {'x'.join(map(str, config.data.input_shape))}, "
+        f"{batch}, input {'x'.join(map(str, config.data.input_shape))}, "
         f"calibration {plan.calibration_source or 'built-in'}"
     )
 
@@ -239,11 +251,14 @@ def submit_job(
 
     time = check_time(time) if time else None
     check_nodes(nodes, config.training.strategy)
+    partition = read_partition(partition_name)
+    check_nodes_in_partition(nodes, partition)
     host = read_host_facts()
     # Planned for the partition's nodes, not this host: a percent target is still of this host's memory.
-    plan = plan_job(config, host, to_run_here=False)
-    partition = read_partition(partition_name)
-    check_nodes_in_partition(nodes, config.training.strategy, partition)
+    # A multi_worker job is planned per node, as one of its workers.
+    multi_worker = config.training.strategy == "multi_worker"
+    with _planning_as_workers(nodes) if multi_worker else nullcontext():
+        plan = plan_job(config, host, to_run_here=False)
     check_fits_partition(plan, partition)
     results = Path(config.output.results_dir).resolve()
     run_name = config.output.run_name
@@ -257,6 +272,7 @@ def submit_job(
         time=time,
         cpus=_cpus_for(config.runtime.intra_op_threads, host.physical_cores, partition),
         workdir=Path.cwd(),
+        nodes=nodes,
     )
     if dry_run:
         print_line(script.rstrip("\n"))
@@ -266,6 +282,82 @@ def submit_job(
     job_id = submit(script)
     print_line(job_id)
     return 0
+
+
+@contextmanager
+def _planning_as_workers(workers: int) -> Iterator[None]:
+    """Plan as one of ``workers`` workers: the planner counts a job's workers in TF_CONFIG, which the workers
+    of a Slurm job build only once they start, so a stand-in naming ``workers`` addresses is set meanwhile
+    (and the submitting shell's own TF_CONFIG, if any, put back after)."""
+    saved = os.environ.get(TF_CONFIG_ENV)
+    os.environ[TF_CONFIG_ENV] = json.dumps(
+        {
+            "cluster": {"worker": [f"node{index}:{WORKER_PORT_BASE}" for index in range(workers)]},
+            "task": {"type": "worker", "index": 0},
+        }
+    )
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(TF_CONFIG_ENV, None)
+        else:
+            os.environ[TF_CONFIG_ENV] = saved
+
+
+# --------------------------------------------------------------------------------------------------
+# A worker of a multi-node job: ``bigmem-train slurm tf-config`` in each task srun starts
+
+
+def worker_port(job_id: int) -> int:
+    """The TCP port of every worker of Slurm job ``job_id`` (WORKER_PORT_BASE + the id modulo the span)."""
+    return WORKER_PORT_BASE + job_id % WORKER_PORT_SPAN
+
+
+def node_addresses(names: Sequence[str]) -> dict[str, str]:
+    """Each node's NodeAddr (``scontrol show node -o``): the address Slurm itself reaches it at, the node's
+    name unless slurm.conf sets another."""
+    text = _slurm(["scontrol", "show", "node", "-o", ",".join(names)])
+    addresses = {}
+    for line in text.splitlines():
+        fields = dict(part.partition("=")[::2] for part in line.split() if "=" in part)
+        if fields.get("NodeName"):
+            addresses[fields["NodeName"]] = fields.get("NodeAddr") or fields["NodeName"]
+    return addresses
+
+
+def slurm_tf_config(environ: Mapping[str, str] | None = None) -> str:
+    """TF_CONFIG for this task of a multi-node job, from Slurm's environment: the step's nodes in Slurm's
+    order (``scontrol show hostnames``), each at its NodeAddr and the job's port, and SLURM_PROCID as this
+    worker's index, rendered from ``templates/tf_config.json.j2``. BadInput (one line) outside an srun step
+    of one task per node."""
+    environ = os.environ if environ is None else environ
+    numbers = ("SLURM_JOB_ID", "SLURM_STEP_NUM_TASKS", "SLURM_PROCID", "SLURM_NODEID")
+    missing = [name for name in numbers if not environ.get(name, "").strip().isdigit()]
+    missing += [] if environ.get("SLURM_STEP_NODELIST", "").strip() else ["SLURM_STEP_NODELIST"]
+    if missing:
+        raise BadInput(
+            f"slurm tf-config: {', '.join(missing)} not set: run it in a task that srun starts, inside the job"
+        )
+    job_id, tasks, rank, node = (int(environ[name]) for name in numbers)
+    nodelist = environ["SLURM_STEP_NODELIST"].strip()
+    hosts = _slurm(["scontrol", "show", "hostnames", nodelist]).split()
+    if tasks != len(hosts) or rank != node:
+        # Worker i's address is the i-th node's: task i must run there, alone.
+        raise BadInput(
+            f"slurm tf-config: task {rank} of {tasks} on node {node} of {nodelist}: a multi-worker job runs "
+            "one task per node (srun --ntasks-per-node=1)"
+        )
+    addresses = node_addresses(hosts)
+    # The template Ansible and `remote` render TF_CONFIG with, the job's nodes as its inventory group.
+    hostvars = {
+        name: {
+            "bigmem_train_worker_address": addresses.get(name, name),
+            "bigmem_train_worker_port": worker_port(job_id),
+        }
+        for name in hosts
+    }
+    return render_tf_config({"slurm": hosts}, hostvars, hosts[rank], "slurm")
 
 
 # --------------------------------------------------------------------------------------------------
