@@ -55,7 +55,12 @@ PREDICT_VARIANTS = {
     "openvino bfloat16": ("openvino", "bfloat16"),
     "tensorflow float32": ("tensorflow", "float32"),
     "tensorflow bfloat16": ("tensorflow", "bfloat16"),
+    "openvino int8": ("openvino", "int8"),
 }
+# int8's calibration here: random crops (speed does not depend on the weights or the calibration; the kit
+# calibrates on the run's training crops, infer/int8.py). Its float layers run at the kit's choice for this
+# CPU (int8.float_layers_precision: bf16 where native).
+INT8_CALIBRATION_CROPS, INT8_CALIBRATION_SHAPE = 4, (64, 64, 48)
 PREDICT_SHAPE, PREDICT_PADDED = (240, 240, 155), (240, 240, 160)
 MODEL = {"depth": 4, "base_filters": 16}
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
@@ -321,11 +326,23 @@ def worker_predict(spec: dict) -> dict:
         import tensorflow as tf
 
         _tensorflow_threads(tf)
-    engines = {"openvino": OpenVINOEngine, "tensorflow": TensorFlowEngine}
-    engine = engines[spec["engine"]](Path(spec["model"]), spec["precision"])
+    extra = {}
+    if spec["precision"] == "int8":
+        from bigmem_train.infer.int8 import Int8Engine, calibration_from_arrays, float_layers_precision
+
+        rng = np.random.default_rng(1)
+        crops = [
+            rng.standard_normal((1, *INT8_CALIBRATION_SHAPE, 1)).astype(np.float32)
+            for _ in range(INT8_CALIBRATION_CROPS)
+        ]
+        extra["float_layers"] = float_layers_precision()
+        engine = Int8Engine(Path(spec["model"]), calibration_from_arrays(crops), extra["float_layers"])
+    else:
+        engines = {"openvino": OpenVINOEngine, "tensorflow": TensorFlowEngine}
+        engine = engines[spec["engine"]](Path(spec["model"]), spec["precision"])
     volume = np.random.default_rng(0).standard_normal((1, *PREDICT_PADDED, 1)).astype(np.float32)
     best, times, cpu = _best(lambda: engine(volume), spec["repeats"])
-    return {"best_seconds": best, "seconds": times, "cpu_seconds": cpu}
+    return {"best_seconds": best, "seconds": times, "cpu_seconds": cpu, **extra}
 
 
 WORKERS = {

@@ -674,6 +674,19 @@ def test_against_the_cpus_peak():
         for row in report[section].values():
             for layer in row.get("held_back_by", []):
                 states(name, f"`{layer['name']}` ({layer['gflop_per_cpu_second_x_cores']:.0f} GFLOP/s")
+    share = {
+        name: f"{row['share_of_peak_cpu'] * 100:.0f} %"
+        for section in ("train", "predict")
+        for name, row in report[section].items()
+    }
+    states(
+        "README.md",
+        f"training the study's tile {share['tile 240x240x144 float32']} (float32) and "
+        f"{share['tile 240x240x144 mixed_bfloat16']} (mixed bfloat16); predict with OpenVINO "
+        f"{share['predict openvino float32']}",
+        f"int8 {share['predict openvino int8']} |",
+    )
+    assert share["predict openvino float32"] == share["predict openvino bfloat16"]
 
 
 # --- study-job.md and the study's plan -----------------------------------------------------------------
