@@ -30,7 +30,8 @@ cleanup() {
 trap cleanup EXIT
 if out=$(bash scripts/start-dockerd.sh); then
     echo "$out"
-    case $out in "dockerd: started "*) started_dockerd=${out#dockerd: started } ;; esac
+    # "dockerd: started PID (log FILE)": the PID alone.
+    case $out in "dockerd: started "*) started_dockerd=$(sed -n 's/^dockerd: started \([0-9]*\).*/\1/p' <<<"$out") ;; esac
 else
     echo "$out"
     echo "test.sh: could not start a Docker daemon; the Docker tests will say why" >&2
