@@ -858,6 +858,24 @@ def test_readme_figures():
     )
 
 
+def test_the_target_run_is_its_results_file():
+    """study-job.md's run sized with --target 20GiB: its figures from benchmarks/target_fit.py's file."""
+    run = results("target_fit-20GiB-epyc.json")
+    job = run["job"]
+    states(
+        "study-job.md",
+        f"batch {job['batch_size']} at {'x'.join(map(str, job['input_shape']))}, planned at "
+        f"{run['planned_bytes'] / GIB:.2f} GiB, {percent(run['plan_under_target'])} under the target",
+        f"peaked at {run['peak_bytes'] / GIB:.2f} GiB: {percent(-run['run_vs_plan'])} below its plan and "
+        f"{percent(run['peak_under_target'])} under the target",
+        f"climbed {percent(run['climb_past_step_4'])} past its 4-step peak",
+        f"Steps took {run['median_step_seconds']:.1f} s",
+    )
+    assert run["run_vs_plan"] <= PLAN_COVERAGE and 0 < run["peak_under_target"] <= 0.08
+    assert run["verdict"] == "FAIL" and not run["criteria"]["dice_floor"]["passed"]
+    assert "The verdict was FAIL" in page("study-job.md")
+
+
 def test_readme_largest_run_is_the_study_pages():
     """The tile runs at --target 20GiB have no results file (read by hand from their run directories): the
     README row states what study-job.md states, their Dice failure included."""
