@@ -287,6 +287,40 @@ def test_planner_accuracy_long_runs_before_and_after_the_fitted_allowance():
     )
 
 
+LONG_OTHER = "planner_accuracy-long-other-avx512+bf16.json"
+
+
+def test_planner_accuracy_long_runs_of_recomputed_and_mixed_jobs():
+    """The long runs of the kinds the plain fit leaves out, against today's plan, from their report."""
+    report = results(LONG_OTHER)
+    assert report["long_run_growth"] == calibration_file(EPYC_CONSTANTS)["long_run_growth"]
+    assert report["envelope_margins"] == calibration_file(EPYC_CONSTANTS)["envelope_margins"]
+    records = results("planner_accuracy-long-other-avx512+bf16.jsonl")
+    describe = benchmark("planner_accuracy").describe
+    assert [row["job"] for row in report["rows"]] == [describe(record["job"]) for record in records]
+    # Each plan is the one the sweep's envelope file gives the job today.
+    plans = {row["job"]: row["predicted"] for row in results(ENVELOPE)["rows"]}
+    for row in report["rows"]:
+        assert row["kind"] in ("recompute", "mixed") and row["set"] == "held-out"
+        assert math.isclose(row["plan"], plans[row["job"]], rel_tol=1e-6), row["job"]
+        states(
+            "planner-accuracy.md",
+            f"| {row['job']} | {row['kind']} | {row['steps']} | {gib(row['short'])} | {gib(row['long'])} "
+            f"| {signed(row['growth'])} | {gib(row['plan'])} | {signed(row['over'])} | {percent(row['cost'])} |",
+        )
+    assert all(row["over"] <= 0 for row in report["rows"])
+    costs = sorted(row["cost"] for row in report["rows"] if row["kind"] == "recompute")
+    mixed = report["summary"]["held-out: mixed"]
+    states(
+        "planner-accuracy.md",
+        f"The mixed-precision job costs {percent(mixed['cost_worst'])}; the recomputed ones "
+        f"{percent(costs[0])} and {percent(costs[-1])}",
+        f"at a cost of {percent(mixed['cost_worst'])} and {percent(costs[0])}–{percent(costs[-1])}",
+        f"recompute {percent(report['envelope_margins']['recompute'])}, mixed "
+        f"{percent(report['envelope_margins']['mixed'])}",
+    )
+
+
 # --- inference.md ---------------------------------------------------------------------------------------
 
 
