@@ -9,7 +9,10 @@ partition, a bad --time, no Slurm client, no controller) is one line, exit 2, an
 --mem (jobacct_gather's OverMemoryKill, no cgroups), the kit's batch script with a --mem below what the job
 touches is killed, and ``validate`` names Slurm's kill for memory, exit 1. On a third, of two nodes (one slurmd
 in each of two network namespaces), a multi_worker job submitted with ``--nodes 2`` runs one worker on each
-node, with one worker's plan as --mem, and the chief's verdict passes.
+node, with one worker's plan as --mem, and the chief's verdict passes. With ``--image`` (marker ``docker``),
+the tiny job runs in the suite's image on the one node and passes (and one made to fail validation ends
+FAILED, ExitCode 1:0), ``slurm stop`` of a running one leaves no container behind, and an image Docker does
+not know is one line, exit 2, nothing submitted.
 
 The node declares 1.5 times the tiny job's --mem as its RealMemory (a node may declare less than it has),
 so that two tiny jobs cannot run side by side: memory, not CPUs, decides (each asks for one CPU).
@@ -32,6 +35,7 @@ from bigmem_train.errors import BadInput
 from bigmem_train.host import read_host_facts
 from bigmem_train.memory.plan import plan_job
 from bigmem_train.ops.scheduler import bigmem_train_executable, check_time
+from bigmem_train.verdict.postmortem import container_id
 from tests.fixtures.common import free_port, write_tiny_job
 from tests.fixtures.slurm import NETWORK
 
@@ -204,6 +208,105 @@ def test_two_jobs_beyond_the_nodes_memory_run_one_at_a_time_and_slurm_commands_w
         assert again.stdout.strip() == f"first: Slurm job {first_id} is not running (CANCELLED)", again
     finally:
         subprocess.run(["scancel", first_id, second_id], env=slurm_cluster.env, check=False)
+
+
+def _containers(name: str) -> list[str]:
+    """Docker's containers (running or not) named ``name``."""
+    listed = subprocess.run(
+        ["docker", "ps", "-a", "-q", "--filter", f"name=^/{name}$"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return listed.stdout.split()
+
+
+@pytest.mark.docker
+def test_a_job_submitted_with_image_runs_in_the_container_and_passes(slurm_cluster, bigmem_image, tmp_path):
+    """--image: the batch script runs the job in the kit's image (the suite's own build) on the node, its
+    results folder mounted at /results; the job ends COMPLETED, exit 0, verdict PASS, its container removed."""
+    job = write_tiny_job(tmp_path / "job.yaml")
+    done = submit(slurm_cluster, job, "img-1", "--image", bigmem_image, "--time", "10:00")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    assert slurm_cluster.job(job_id)["MinMemoryNode"] == f"{_request_mib(job)}M"
+    ended = wait_for(
+        slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 240
+    )
+    log = tmp_path / "results" / f"img-1.slurm-{job_id}.out"
+    assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", log.read_text()[-3000:]
+    run_dir = tmp_path / "results" / "img-1"
+    assert json.loads((run_dir / "verdict.json").read_text())["verdict"] == "PASS"
+    state = json.loads((run_dir / "state.json").read_text())
+    # It ran in a container, and kept Slurm's record of the job (the variables the script passes in).
+    assert container_id(state) and state["slurm"]["job_id"] == job_id, state
+    assert "bigmem-train: run directory /results/img-1" in log.read_text(), log.read_text()[-3000:]
+    assert _containers("img-1") == []
+    status = bigmem_train(slurm_cluster, tmp_path, "slurm", "status", "img-1").stdout.splitlines()
+    assert status[0] == f"img-1: Slurm job {job_id} COMPLETED on {slurm_cluster.node}, exit code 0", status
+    assert "  verdict: PASS" in status
+
+
+@pytest.mark.docker
+def test_an_image_job_that_fails_validation_ends_failed_with_exit_code_1(
+    slurm_cluster, bigmem_image, tmp_path
+):
+    """The container's exit code is the job's: Slurm's ExitCode is the verdict, as with --venv."""
+    job = write_tiny_job(tmp_path / "job.yaml", epochs=1)
+    done = submit(
+        slurm_cluster, job, "img-fails", "--image", bigmem_image, "--set", "validation.dice_floor=1.0"
+    )
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    ended = wait_for(
+        slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 240
+    )
+    log = tmp_path / "results" / f"img-fails.slurm-{job_id}.out"
+    assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "1:0"), log.read_text()[-3000:]
+    assert json.loads((tmp_path / "results" / "img-fails" / "verdict.json").read_text())["verdict"] == "FAIL"
+    assert _containers("img-fails") == []
+
+
+@pytest.mark.docker
+def test_slurm_stop_of_an_image_job_stops_its_container(slurm_cluster, bigmem_image, tmp_path):
+    """scancel sends the batch script SIGTERM; its trap stops the container, which Docker, not the job,
+    holds: nothing of the job runs on after it ends CANCELLED, and the run directory stays."""
+    job = write_tiny_job(tmp_path / "job.yaml", epochs=200)
+    done = submit(slurm_cluster, job, "img-stop", "--image", bigmem_image)
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    try:
+        wait_for(slurm_cluster, job_id, {"RUNNING"}, 60)
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "results" / "img-stop" / "progress.json").exists():
+            assert time.monotonic() < deadline, (
+                tmp_path / "results" / f"img-stop.slurm-{job_id}.out"
+            ).read_text()
+            time.sleep(1)
+        assert len(_containers("img-stop")) == 1
+        stop = bigmem_train(slurm_cluster, tmp_path, "slurm", "stop", "img-stop")
+        assert stop.stdout.startswith(f"img-stop: Slurm job {job_id} cancelled (CANCELLED)"), stop
+        deadline = time.monotonic() + 30
+        while _containers("img-stop"):
+            assert time.monotonic() < deadline, "the container runs on after its job was cancelled"
+            time.sleep(1)
+        assert (tmp_path / "results" / "img-stop" / "checkpoints").is_dir()
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm_cluster.env, check=False)
+        subprocess.run(["docker", "rm", "-f", "img-stop"], capture_output=True, check=False)
+
+
+@pytest.mark.docker
+def test_an_image_docker_does_not_know_is_one_line_and_submits_nothing(
+    slurm_cluster, docker_daemon, tmp_path
+):
+    job = write_tiny_job(tmp_path / "job.yaml")
+    before = job_ids(slurm_cluster)
+    done = submit(slurm_cluster, job, "img-bad", "--image", "bigmem-train:no-such-tag")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--image bigmem-train:no-such-tag: Docker on this host has no such image" in done.stderr
+    assert job_ids(slurm_cluster) == before and not (tmp_path / "results").exists()
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
 """``bigmem-train submit`` without Slurm: the batch script's --mem is the plan's envelope peak rounded up to
 MiB, --time is checked, a plan larger than the partition's nodes is refused (exit 3), and --dry-run
 submits nothing; a multi_worker job on N nodes gets one worker per node from srun, --mem one worker's plan,
-and each worker's TF_CONFIG from Slurm's environment (``slurm tf-config``). ``sinfo``, ``sbatch`` and
-``scontrol`` are stand-ins (``scheduler.run_client`` replaced)."""
+and each worker's TF_CONFIG from Slurm's environment (``slurm tf-config``). With ``--image`` the script runs
+the job's hardened `docker run` in the foreground, stops the container on SIGTERM and exits with its exit
+code (run with a stand-in for docker). ``sinfo``, ``sbatch``, ``scontrol`` and ``docker image inspect`` are
+stand-ins (``scheduler.run_client`` replaced)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,10 @@ import json
 import math
 import os
 import shlex
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +26,7 @@ from bigmem_train.host import read_host_facts
 from bigmem_train.memory.plan import plan_job
 from bigmem_train.ops import scheduler
 from bigmem_train.ops.distribute import parse_tf_config
+from bigmem_train.ops.remote import HARDENED_DOCKER_FLAGS
 from tests.fixtures.common import write_tiny_job
 
 
@@ -32,10 +38,16 @@ class StandInSlurm:
     """A stand-in for sinfo and sbatch: one partition with nodes of ``memory_mib``; records every call."""
 
     def __init__(
-        self, memory_mib: int, partition: str = "bigmem", cpus: int = 64, job_id: str = "4242", nodes: int = 2
+        self,
+        memory_mib: int,
+        partition: str = "bigmem",
+        cpus: int = 64,
+        job_id: str = "4242",
+        nodes: int = 2,
+        images: tuple[str, ...] = (),
     ):
         self.memory_mib, self.partition, self.cpus, self.job_id = memory_mib, partition, cpus, job_id
-        self.nodes = nodes
+        self.nodes, self.images = nodes, images
         self.calls: list[list[str]] = []
         self.scripts: list[str] = []
 
@@ -53,6 +65,10 @@ class StandInSlurm:
         if command[0] == "sbatch":
             self.scripts.append(options["input"])
             return subprocess.CompletedProcess(command, 0, f"{self.job_id}\n", "")
+        if command[:3] == ["docker", "image", "inspect"]:
+            if command[-1] in self.images:
+                return subprocess.CompletedProcess(command, 0, "sha256:0123\n", "")
+            return subprocess.CompletedProcess(command, 1, "[]\n", f"Error: No such image: {command[-1]}\n")
         raise AssertionError(f"unexpected command {command}")
 
 
@@ -210,6 +226,198 @@ def test_a_single_job_on_one_node_keeps_its_one_task_script(tiny, tmp_path, monk
     script = capsys.readouterr().out
     assert "#SBATCH --nodes=1\n#SBATCH --ntasks=1\n#SBATCH --cpus-per-task=" in script
     assert "srun" not in script and f"\nexec {scheduler.bigmem_train_executable()} run --config" in script
+
+
+# --------------------------------------------------------------------------------------------------
+# --image: the job in the kit's Docker image on the node
+
+
+def _image_script(capsys, argv) -> str:
+    """The batch script ``submit ARGV --dry-run`` prints (without the plan line after it)."""
+    assert main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
+    return capsys.readouterr().out.rstrip().rsplit("\n", 1)[0] + "\n"
+
+
+def _docker_run(script: str) -> list[str]:
+    """The words of the script's `docker run ... &` line, as the shell splits them (but for $(...), ${...})."""
+    (line,) = [line for line in script.splitlines() if line.startswith("docker run ")]
+    assert line.endswith(" &")
+    return shlex.split(line[: -len(" &")])
+
+
+def _option(words: list[str], flag: str) -> list[str]:
+    """Every value of ``flag`` in ``words`` (before the image)."""
+    return [words[index + 1] for index, word in enumerate(words) if word == flag]
+
+
+def test_an_image_job_runs_the_kits_hardened_docker_run_in_the_foreground(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    stand_in = StandInSlurm(memory_mib=64 * 1024, images=("bigmem-train", "bigmem-train:test"))
+    monkeypatch.setattr(scheduler, "run_client", stand_in)
+    monkeypatch.chdir(tmp_path)
+    argv = ["submit", "--config", str(tiny), "--run-name", "img-1", "--set", "runtime.intra_op_threads=3"]
+    script = _image_script(capsys, [*argv, "--image", "bigmem-train:test"])
+    expected = math.ceil(_plan(tiny).peak_bytes * 1.03 / 2**20)
+    assert f"#SBATCH --mem={expected}M\n" in script and "#SBATCH --ntasks=1\n" in script
+    assert str(scheduler.bigmem_train_executable()) not in script
+    words = _docker_run(script)
+    image = words.index("bigmem-train:test")
+    head, job = words[:image], words[image:]
+    assert head[:2] == ["docker", "run"] and "-d" not in head and {"--rm", "--init"} <= set(head)
+    assert _option(head, "--name") == ["img-1"] and _option(head, "--user") == ["$(id -u):$(id -g)"]
+    joined = " ".join(head)
+    assert " ".join(HARDENED_DOCKER_FLAGS) in joined and _option(head, "--network") == ["none"]
+    # Mounts: the results folder writable at /results, the config file read-only; no dataset for synthetic data.
+    assert _option(head, "-v") == [f"{tmp_path / 'results'}:/results", f"{tiny}:/config/job.yaml:ro"]
+    # Docker's cgroup holds the container, not the job's: the job's CPUs are its limit; its --mem is not (a
+    # cgroup limit of the plan less the preflight's safety margin would not fit the plan).
+    assert _option(head, "--cpus") == ["3"] and "--memory" not in head
+    assert _option(head, "-e") == ["SLURM_JOB_ID", "SLURM_CLUSTER_NAME", "SLURM_MEM_PER_NODE"]
+    assert "${numa:+--cap-add" in head and "SYS_NICE}" in head
+    assert job == [
+        "bigmem-train:test",
+        "run",
+        "--config",
+        "/config/job.yaml",
+        "--set",
+        "runtime.intra_op_threads=3",
+        "--results",
+        "/results",
+        "--run-name",
+        "img-1",
+    ]
+    assert "trap 'docker stop --time 10 img-1 >/dev/null 2>&1 || true' TERM INT\n" in script
+    assert script.rstrip().endswith('exit "$status"')
+    assert [call[:3] for call in stand_in.calls if call[0] == "docker"] == [["docker", "image", "inspect"]]
+    # --image alone names the kit's image; --venv is today's script, the default.
+    assert "bigmem-train" in _docker_run(_image_script(capsys, [*argv, "--image"]))
+    assert _image_script(capsys, [*argv, "--venv"]) == _image_script(capsys, argv)
+
+
+def test_an_image_jobs_dataset_is_mounted_read_only(tiny, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(scheduler, "run_client", StandInSlurm(memory_mib=64 * 1024, images=("bigmem-train",)))
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "lab data" / "Task01"
+    data.mkdir(parents=True)
+    argv = ["submit", "--config", "default", "--run-name", "img-2", "--image"]
+    for flags in (["--data", str(data)], ["--set", "data.source=decathlon", "--set", f"data.path={data}"]):
+        words = _docker_run(_image_script(capsys, [*argv, *flags]))
+        assert _option(words, "-v") == [f"{tmp_path / 'results'}:/results", f"{data}:/data:ro"]
+        # A preset is named, not mounted; the dataset is the container's /data whichever way it was given.
+        job = words[words.index("bigmem-train") :]
+        assert job[:4] == ["bigmem-train", "run", "--config", "default"] and job[-2:] == ["--data", "/data"]
+
+
+def _run_script(script: str, tmp_path, exit_code: int, stop: bool = False) -> tuple[int, Path]:
+    """Run the batch script with a stand-in for docker: `docker run` writes its arguments and exits with
+    ``exit_code`` (with ``stop``, once `docker stop` ends it: the test sends the script SIGTERM first, as
+    Slurm does when it ends a job)."""
+    stub = tmp_path / "stub"
+    stub.mkdir()
+    docker = stub / "docker"
+    docker.write_text(
+        "#!/bin/bash\n"
+        'case "$1" in\n'
+        '  run) echo $$ > "$STUB/run.pid"; printf "%s\\n" "$@" > "$STUB/run.args"\n'
+        '       if [ -n "$STUB_STOP" ]; then trap \'kill $!; exit "$STUB_EXIT"\' TERM; sleep 60 & wait; fi\n'
+        '       exit "$STUB_EXIT" ;;\n'
+        '  stop) echo "$@" > "$STUB/stopped"; kill -TERM "$(cat "$STUB/run.pid")" ;;\n'
+        "  rm) exit 1 ;;\n"
+        "esac\n"
+    )
+    docker.chmod(0o755)
+    environment = {
+        **os.environ,
+        "PATH": f"{stub}:{os.environ['PATH']}",
+        "STUB": str(stub),
+        "STUB_EXIT": str(exit_code),
+        "STUB_STOP": "1" if stop else "",
+    }
+    process = subprocess.Popen(["bash", "-c", script], env=environment)
+    if stop:
+        deadline = time.monotonic() + 20
+        while not (stub / "run.pid").exists():
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+    return process.wait(timeout=30), stub
+
+
+@pytest.mark.parametrize("exit_code", [0, 1, 2, 3])
+def test_an_image_jobs_exit_code_is_the_containers(tiny, tmp_path, monkeypatch, capsys, exit_code):
+    monkeypatch.setattr(scheduler, "run_client", StandInSlurm(memory_mib=64 * 1024, images=("bigmem-train",)))
+    monkeypatch.chdir(tmp_path)
+    script = _image_script(capsys, ["submit", "--config", str(tiny), "--run-name", "img-3", "--image"])
+    code, stub = _run_script(script, tmp_path, exit_code)
+    assert code == exit_code
+    assert (stub / "run.args").read_text().splitlines()[-2:] == ["--run-name", "img-3"]
+    assert not (stub / "stopped").exists()
+
+
+def test_an_image_job_ended_by_slurm_stops_its_container(tiny, tmp_path, monkeypatch, capsys):
+    """Slurm ends a job (scancel, --time) with SIGTERM to the batch script: the trap runs `docker stop`, and the
+    script still waits for `docker run` and exits with its code."""
+    monkeypatch.setattr(scheduler, "run_client", StandInSlurm(memory_mib=64 * 1024, images=("bigmem-train",)))
+    monkeypatch.chdir(tmp_path)
+    script = _image_script(capsys, ["submit", "--config", str(tiny), "--run-name", "img-4", "--image"])
+    code, stub = _run_script(script, tmp_path, 143, stop=True)
+    assert (stub / "stopped").read_text().split() == ["stop", "--time", "10", "img-4"]
+    assert code == 143
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--image", "bigmem-trian"], "--image bigmem-trian: Docker on this host has no such image"),
+        (
+            ["--image", "--set", "training.strategy=multi_worker"],
+            "--image bigmem-train: a training.strategy multi_worker job runs from the venv only for now",
+        ),
+        (
+            ["--image", "--set", "training.strategy=multi_worker", "--nodes", "2"],
+            "--image bigmem-train: a training.strategy multi_worker job runs from the venv only for now",
+        ),
+        (
+            ["--image", "--run-name", "brats 1"],
+            "--run-name brats 1: with --image the run name is the container",
+        ),
+        (["--image", "--results", "a:b"], "the results folder"),
+    ],
+    ids=[
+        "unknown image",
+        "multi_worker",
+        "multi_worker on 2 nodes",
+        "not a container name",
+        "colon in a path",
+    ],
+)
+def test_image_bad_input_is_one_line_and_submits_nothing(tiny, tmp_path, monkeypatch, capsys, argv, message):
+    stand_in = StandInSlurm(memory_mib=64 * 1024, images=("bigmem-train",))
+    monkeypatch.setattr(scheduler, "run_client", stand_in)
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", str(tiny), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+    assert all(call[0] != "sbatch" for call in stand_in.calls)
+    if "results" not in message and "run name" not in message:
+        assert all(call[0] != "sinfo" for call in stand_in.calls)  # checked before Slurm is asked
+
+
+def test_image_without_a_docker_client_is_one_line(tiny, tmp_path, monkeypatch, capsys):
+    stand_in = StandInSlurm(memory_mib=64 * 1024)
+
+    def no_docker(command, **options):
+        if command[0] == "docker":
+            raise FileNotFoundError(command[0])
+        return stand_in(command, **options)
+
+    monkeypatch.setattr(scheduler, "run_client", no_docker)
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", str(tiny), "--image", "--run-name", "img-5"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--image bigmem-train: docker not found" in err
+    assert stand_in.calls == [] and not (tmp_path / "results").exists()
 
 
 class StandInScontrol:

@@ -22,6 +22,7 @@ from bigmem_train.cli import remote as remote_cli
 from bigmem_train.cli import slurm as slurm_cli
 from bigmem_train.config import Config, FootprintConfig, load_config, parse_override
 from bigmem_train.errors import BadInput, BigmemError
+from bigmem_train.ops.hosts import DEFAULT_IMAGE
 
 PROG = "bigmem-train"
 
@@ -182,6 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="nodes for the job (default 1; more than one needs training.strategy multi_worker: srun "
         "starts one worker per node, and --mem is one worker's plan)",
     )
+    runner = submit.add_mutually_exclusive_group()
+    runner.add_argument(
+        "--image",
+        nargs="?",
+        const=DEFAULT_IMAGE,
+        metavar="NAME",
+        help=f"run the job in this Docker image on the node (default {DEFAULT_IMAGE}; the nodes must hold "
+        "the image, and Docker on this host must know it)",
+    )
+    runner.add_argument(
+        "--venv",
+        action="store_true",
+        help="run the job with this environment's bigmem-train, on storage the nodes share (the default)",
+    )
     submit.add_argument(
         "--dry-run", action="store_true", help="print the batch script and the plan; submit nothing"
     )
@@ -263,30 +278,25 @@ def main(argv: list[str] | None = None) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     """``bigmem-train submit``: the job's own ``run`` flags, made absolute, go into the batch script."""
-    from bigmem_train.ops.scheduler import check_time, submit_job
+    from bigmem_train.ops.scheduler import RunFlags, check_time, submit_job
 
     if args.time:
         check_time(args.time)  # before the plan: a typo costs nothing
     if not args.run_name:
         args.run_name = time.strftime("run-%Y%m%d-%H%M%S")
     config = load_job_config(args)
-    run_arguments = []
-    if args.config:
-        given = Path(args.config)
-        run_arguments += ["--config", str(given.resolve()) if given.exists() else args.config]
-    for text in args.overrides:
-        run_arguments += ["--set", text]
-    if args.target:
-        run_arguments += ["--target", args.target]
-    if args.data:
-        run_arguments += ["--data", str(Path(args.data).resolve())]
-    run_arguments += [
-        "--results",
-        str(Path(config.output.results_dir).resolve()),
-        "--run-name",
-        args.run_name,
-    ]
-    return submit_job(config, run_arguments, args.partition, args.time, args.dry_run, nodes=args.nodes)
+    given = Path(args.config) if args.config else None
+    flags = RunFlags(
+        config=str(given.resolve()) if given and given.exists() else args.config,
+        overrides=tuple(args.overrides),
+        target=args.target,
+        data=str(Path(args.data).resolve()) if args.data else None,
+        results=str(Path(config.output.results_dir).resolve()),
+        run_name=args.run_name,
+    )
+    return submit_job(
+        config, flags, args.partition, args.time, args.dry_run, nodes=args.nodes, image=args.image
+    )
 
 
 def dispatch(args: argparse.Namespace) -> int:

@@ -29,6 +29,7 @@ import shlex
 import stat
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,20 +275,22 @@ def launch(
     return {"pid": int(pid)}
 
 
-def docker_run_head(name: str) -> list[str]:
-    """The start of every job's `docker run -d` (training and predict), run from the job's folder: the
-    container named after the job, the login's uid, the hardening flags, the job's results/ writable."""
+def docker_run_head(name: str, results: str = '"$PWD/results"', detach: bool = True) -> list[str]:
+    """The start of every job's `docker run` (training and predict; detached on a remote host, in the
+    foreground in a Slurm batch script): the container named after the job, the login's uid, the hardening
+    flags, the job's results folder (``results``, a shell word; default results/ of the job's folder)
+    writable at /results."""
     return [
         "docker",
         "run",
-        "-d",
+        *(["-d"] if detach else []),
         "--name",
         shlex.quote(name),
         "--user",
         '"$(id -u):$(id -g)"',
         *HARDENED_DOCKER_FLAGS,
         "-v",
-        '"$PWD/results":/results',
+        f"{results}:/results",
     ]
 
 
@@ -299,10 +302,21 @@ def docker_run_command(
     data_dir: str | None,
     environment: dict[str, str],
     numa_nodes: int = 1,
+    *,
+    config: str | None = '"$PWD/config.yaml"',
+    results: str = '"$PWD/results"',
+    detach: bool = True,
+    options: Sequence[str] = (),
+    run_flags: Sequence[str] = (),
 ) -> str:
-    """`docker run -d` of one job: hardened, results and config mounted from the job's folder."""
+    """`docker run` of one training job: hardened, results and config mounted (by default from the job's
+    folder on a remote host, detached). ``config``: a shell word for the config file, mounted read-only at
+    /config/job.yaml (None: no file; ``run_flags`` may then name a preset). ``options``: more `docker run`
+    flags, as shell words; ``run_flags``: more flags of the job's `bigmem-train run` (``--set``, ...)."""
     quote = shlex.quote
-    parts = [*docker_run_head(name), "-v", '"$PWD/config.yaml":/config/job.yaml:ro']
+    parts = [*docker_run_head(name, results, detach)]
+    if config is not None:
+        parts += ["-v", f"{config}:/config/job.yaml:ro"]
     if data_dir:
         parts += ["-v", f"{quote(data_dir)}:/data:ro"]
     # The workers of a multi-worker job reach each other on the ports TF_CONFIG names.
@@ -312,16 +326,10 @@ def docker_run_command(
         parts += ["--cap-add", "SYS_NICE"]
     for key, value in environment.items():
         parts += ["-e", quote(f"{key}={value}")]
-    parts += [
-        quote(image),
-        "run",
-        "--config",
-        "/config/job.yaml",
-        "--results",
-        "/results",
-        "--run-name",
-        quote(run_name),
-    ]
+    parts += [*options, quote(image), "run"]
+    if config is not None:
+        parts += ["--config", "/config/job.yaml"]
+    parts += [*(quote(flag) for flag in run_flags), "--results", "/results", "--run-name", quote(run_name)]
     if data_dir:
         parts += ["--data", "/data"]
     return " ".join(parts)

@@ -8,6 +8,9 @@ partition's nodes (``sinfo`` RealMemory) is refused before anything is submitted
 A ``training.strategy: multi_worker`` job on N nodes asks for N nodes, one task each, and ``--mem`` the plan
 of one worker (its share of the global batch); ``srun`` starts the workers, and each builds its TF_CONFIG
 from Slurm's environment (:func:`slurm_tf_config`, ``bigmem-train slurm tf-config``) before it runs.
+
+The job runs this environment's ``bigmem-train`` (``--venv``, the default), or with ``--image`` the kit's
+Docker image on the node: the `docker run` that ``bigmem-train remote start`` builds, in the foreground.
 """
 
 from __future__ import annotations
@@ -172,19 +175,136 @@ def bigmem_train_executable() -> Path:
     return Path(sys.executable).parent / "bigmem-train"
 
 
+@dataclass(frozen=True)
+class RunFlags:
+    """The flags of the job's ``bigmem-train run`` as ``submit`` was given them, paths absolute."""
+
+    # A config file, or a preset name; None: the built-in default job.
+    config: str | None
+    overrides: tuple[str, ...]
+    target: str | None
+    # --data as given, or None (a dataset the config names is in the config).
+    data: str | None
+    results: str
+    run_name: str
+
+    def venv_arguments(self) -> list[str]:
+        """The flags as this host's paths: the job runs this environment's bigmem-train on shared storage."""
+        arguments = ["--config", self.config] if self.config else []
+        for text in self.overrides:
+            arguments += ["--set", text]
+        if self.target:
+            arguments += ["--target", self.target]
+        if self.data:
+            arguments += ["--data", self.data]
+        return [*arguments, "--results", self.results, "--run-name", self.run_name]
+
+
+def venv_command(flags: RunFlags) -> str:
+    """The job's command line with ``--venv``: this environment's bigmem-train, by its absolute path."""
+    return shlex.join([str(bigmem_train_executable()), "run", *flags.venv_arguments()])
+
+
+# Slurm's record of the job, which the run keeps in state.json (postmortem asks Slurm how the job ended).
+_SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_CLUSTER_NAME", "SLURM_MEM_PER_NODE")
+
+
+def check_image(image: str) -> None:
+    """BadInput (one line) unless Docker on this host knows ``image``: the nodes are assumed to hold the
+    same image, and a name this host does not know is most likely a typo."""
+    try:
+        done = run_client(
+            ["docker", "image", "inspect", "--format", "{{.Id}}", image],
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+            check=False,
+        )
+    except FileNotFoundError:
+        raise BadInput(
+            f"--image {image}: docker not found: the job runs in the image with the Docker client of "
+            "each node, and submit checks the image with this host's (or submit with --venv)"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise BadInput(
+            f"--image {image}: docker did not answer within {_TIMEOUT_S} s: is dockerd running?"
+        ) from None
+    if done.returncode != 0:
+        detail = " ".join((done.stderr or done.stdout or "").split()) or f"exit code {done.returncode}"
+        if "no such image" in detail.lower():
+            detail = "Docker on this host has no such image (build it with docker/build-image.sh, or load it)"
+        raise BadInput(f"--image {image}: {detail}")
+
+
+def _mountable(path: Path, what: str) -> str:
+    """``path`` as the source of a `docker run -v`; BadInput for a path one -v cannot carry."""
+    if ":" in str(path) or "\n" in str(path):
+        raise BadInput(
+            f"{what} {path}: a path with a colon or a newline cannot be mounted with docker run -v"
+        )
+    return str(path)
+
+
+def image_command(flags: RunFlags, config: Config, image: str, cpus: int) -> str:
+    """The job's `docker run` with ``--image``: ``bigmem-train remote start``'s (hardened, the job's user, no
+    network), in the foreground, removed when it ends, tini as its PID 1 (it passes SIGTERM on, and the exit
+    code back); the results folder at /results, the config file at /config/job.yaml and the dataset the
+    config names at /data, read-only; the job's CPUs as its --cpus. The container is Docker's child, not the
+    job's, so Slurm's cgroup does not hold it; it gets no --memory: a limit of the job's --mem would leave the
+    preflight's safety margin below the plan, and the job would refuse itself (exit 3)."""
+    from bigmem_train.ops.hosts import JOB_NAME
+    from bigmem_train.ops.remote import docker_run_command
+
+    if not JOB_NAME.match(flags.run_name):
+        raise BadInput(
+            f"--run-name {flags.run_name}: with --image the run name is the container's name: use letters, "
+            "digits, '.', '_' and '-'"
+        )
+    config_file = Path(flags.config) if flags.config and Path(flags.config).is_file() else None
+    data = None
+    if config.data.source == "decathlon" and config.data.path is not None:
+        data = _mountable(Path(config.data.path).resolve(), "the dataset")
+    # A preset is named, not mounted; --set and --target go in as given.
+    run_flags = ["--config", flags.config] if flags.config and config_file is None else []
+    for text in flags.overrides:
+        run_flags += ["--set", text]
+    if flags.target:
+        run_flags += ["--target", flags.target]
+    options = ["--rm", "--init", "--cpus", str(cpus)]
+    # numactl binds memory and cores on a node of several NUMA nodes, which the script finds there ($numa).
+    options.append("${numa:+--cap-add SYS_NICE}")
+    for name in _SLURM_VARIABLES:
+        options += ["-e", name]
+    return docker_run_command(
+        flags.run_name,
+        image,
+        flags.results,
+        flags.run_name,
+        data,
+        {},
+        config=None if config_file is None else shlex.quote(_mountable(config_file, "--config")),
+        results=shlex.quote(_mountable(Path(flags.results), "the results folder")),
+        detach=False,
+        options=options,
+        run_flags=run_flags,
+    )
+
+
 def batch_script(
     plan: JobPlan,
     partition: Partition,
-    run_arguments: Sequence[str],
+    command: str,
     job_name: str,
     output: Path,
     time: str | None,
     cpus: int,
     workdir: Path,
     nodes: int = 1,
+    container: str | None = None,
 ) -> str:
     """The rendered batch script (``templates/slurm_job.sh.j2``): one task on one node, or for a
-    multi_worker job one worker on each of ``nodes`` nodes, started by srun."""
+    multi_worker job one worker on each of ``nodes`` nodes, started by srun. ``command``: the job's command
+    line (shell); ``container``: its container's name when ``command`` is a `docker run`."""
     for path in (output, workdir):
         # The #SBATCH lines quote paths (a space is common); sbatch has no escape for a quote inside.
         if '"' in str(path) or "\n" in str(path):
@@ -201,7 +321,8 @@ def batch_script(
             "time_limit": time or "",
             "output": str(output),
             "workdir": str(workdir),
-            "command": shlex.join([str(bigmem_train_executable()), "run", *run_arguments]),
+            "command": command,
+            "container": container or "",
             "plan_line": plan_line(plan),
         },
     )
@@ -233,24 +354,39 @@ def _cpus_for(config_threads: int | None, host_cores: int, partition: Partition)
     return max(1, min(config_threads or host_cores, partition.cpus_per_node))
 
 
+def check_image_job(image: str, strategy: str) -> None:
+    """BadInput unless a job of ``strategy`` can run in ``image`` and Docker here knows the image."""
+    if strategy == "multi_worker":
+        # Each worker builds its TF_CONFIG with scontrol, which the image lacks, and on a host network.
+        raise BadInput(
+            f"--image {image}: a training.strategy multi_worker job runs from the venv only for now "
+            "(its workers build TF_CONFIG with scontrol, which the image lacks): submit it with --venv"
+        )
+    check_image(image)
+
+
 def submit_job(
     config: Config,
-    run_arguments: Sequence[str],
+    flags: RunFlags,
     partition_name: str | None,
     time: str | None,
     dry_run: bool,
     print_line: Callable[[str], None] = print,
     nodes: int = 1,
+    image: str | None = None,
 ) -> int:
     """``bigmem-train submit``: plan, check against the partition, render, and submit (or print).
 
-    ``config`` is the job as ``run`` will load it (with the command line's overrides); ``run_arguments``
-    are the flags the job's ``bigmem-train run`` gets (config, overrides, results, run name)."""
+    ``config`` is the job as ``run`` will load it (with the command line's overrides); ``flags`` are the
+    flags the job's ``bigmem-train run`` gets (config, overrides, results, run name). ``image``: run the job
+    in this Docker image on the node, not this environment's bigmem-train."""
     from bigmem_train.host import read_host_facts
     from bigmem_train.memory.plan import plan_job
 
     time = check_time(time) if time else None
     check_nodes(nodes, config.training.strategy)
+    if image:
+        check_image_job(image, config.training.strategy)
     partition = read_partition(partition_name)
     check_nodes_in_partition(nodes, partition)
     host = read_host_facts()
@@ -262,22 +398,29 @@ def submit_job(
     check_fits_partition(plan, partition)
     results = Path(config.output.results_dir).resolve()
     run_name = config.output.run_name
+    cpus = _cpus_for(config.runtime.intra_op_threads, host.physical_cores, partition)
+    if image:
+        command = image_command(flags, config, image, cpus)
+    else:
+        command = venv_command(flags)
     script = batch_script(
         plan,
         partition,
-        run_arguments,
+        command,
         job_name=run_name,
         # Beside the run directory: `run` refuses a run directory holding files it did not write.
         output=results / f"{run_name}.slurm-%j.out",
         time=time,
-        cpus=_cpus_for(config.runtime.intra_op_threads, host.physical_cores, partition),
+        cpus=cpus,
         workdir=Path.cwd(),
         nodes=nodes,
+        container=run_name if image else None,
     )
     if dry_run:
         print_line(script.rstrip("\n"))
         print_line(plan_line(plan))
         return 0
+    # Made here, by the submitting user: a folder docker run -v had to make would be root's.
     results.mkdir(parents=True, exist_ok=True)
     job_id = submit(script)
     print_line(job_id)
