@@ -184,7 +184,7 @@ def test_a_multi_worker_job_on_two_nodes_runs_one_worker_per_node_with_one_worke
     argv = ["submit", "--config", str(tiny), "--run-name", "mw", "--set", "training.strategy=multi_worker"]
     assert main([*argv, "--nodes", "2", "--set", "runtime.intra_op_threads=3", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "TF_CONFIG" not in os.environ  # the planner's stand-in is gone
+    assert "TF_CONFIG" not in os.environ  # submit plans the workers without setting TF_CONFIG
     two_workers = '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}'
     monkeypatch.setenv("TF_CONFIG", two_workers)
     per_worker = _plan(tiny, {"training.strategy": "multi_worker"})

@@ -187,12 +187,15 @@ def plan_job(
     calibration: Calibration | None = None,
     *,
     to_run_here: bool = True,
+    workers: int | None = None,
 ) -> JobPlan:
     """Size ``config`` to footprint.target (if any), predict its peak and decide its NUMA placement.
 
     ``to_run_here``: the job is to run on ``host`` (run, train, preflight), so a target the host cannot give
     does not fit (exit 3) and the targets a refusal suggests stop at what the host leaves the job. False for
     ``bigmem-train plan``, which may plan a job for a larger host and says whether it fits this one.
+    ``workers``: the multi-worker job's worker count where it is known before its TF_CONFIG exists (a Slurm
+    job's nodes); None: TF_CONFIG's count (:func:`planned_workers`).
     """
     calibration = calibration or constants.load_calibration()
     table = layers.layer_table(config)
@@ -202,7 +205,7 @@ def plan_job(
         _refuse_target_beyond_host(config, bound, target)
     # A multi-worker job is planned per host: each worker holds a whole replica and computes
     # batch_size / workers samples; the target is per host too.
-    workers = planned_workers(config)
+    workers = planned_workers(config) if workers is None else workers
     per_host = with_job_size(config, per_worker_batch_size(config, workers), tuple(config.data.input_shape))
     sized, lever = config, None
     limit = target if target is not None else _host_limit(config, host)

@@ -16,7 +16,6 @@ Docker image on the node: the `docker run` that ``bigmem-train remote start`` bu
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 import re
@@ -24,8 +23,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from time import monotonic, sleep
@@ -37,7 +35,7 @@ from bigmem_train.config import Config
 from bigmem_train.errors import BadInput, DoesNotFit
 from bigmem_train.memory.constants import PLAN_COVERAGE
 from bigmem_train.memory.plan import JobPlan
-from bigmem_train.ops.distribute import TF_CONFIG_ENV, render_tf_config
+from bigmem_train.ops.distribute import render_tf_config
 from bigmem_train.ops.render import render
 from bigmem_train.sizes import format_bytes
 from bigmem_train.verdict.postmortem import SLURM_ENDED
@@ -393,8 +391,7 @@ def submit_job(
     # Planned for the partition's nodes, not this host: a percent target is still of this host's memory.
     # A multi_worker job is planned per node, as one of its workers.
     multi_worker = config.training.strategy == "multi_worker"
-    with _planning_as_workers(nodes) if multi_worker else nullcontext():
-        plan = plan_job(config, host, to_run_here=False)
+    plan = plan_job(config, host, to_run_here=False, workers=nodes if multi_worker else None)
     check_fits_partition(plan, partition)
     results = Path(config.output.results_dir).resolve()
     run_name = config.output.run_name
@@ -425,27 +422,6 @@ def submit_job(
     job_id = submit(script)
     print_line(job_id)
     return 0
-
-
-@contextmanager
-def _planning_as_workers(workers: int) -> Iterator[None]:
-    """Plan as one of ``workers`` workers: the planner counts a job's workers in TF_CONFIG, which the workers
-    of a Slurm job build only once they start, so a stand-in naming ``workers`` addresses is set meanwhile
-    (and the submitting shell's own TF_CONFIG, if any, put back after)."""
-    saved = os.environ.get(TF_CONFIG_ENV)
-    os.environ[TF_CONFIG_ENV] = json.dumps(
-        {
-            "cluster": {"worker": [f"node{index}:{WORKER_PORT_BASE}" for index in range(workers)]},
-            "task": {"type": "worker", "index": 0},
-        }
-    )
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(TF_CONFIG_ENV, None)
-        else:
-            os.environ[TF_CONFIG_ENV] = saved
 
 
 # --------------------------------------------------------------------------------------------------
