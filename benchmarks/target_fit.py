@@ -16,7 +16,6 @@ directory (default: a temporary folder, deleted).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import subprocess
@@ -25,18 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+# The peak after each step as the long-run benchmark reads it (memory.csv against steps.csv).
+from long_run_growth import SHORT_STEPS, peaks_after_each_step
+
 HERE = Path(__file__).resolve().parent
 GIB = 2**30
-SHORT_STEPS = 4
-
-
-def peaks_after_each_step(run_dir: Path) -> list[int]:
-    """The run's peak RSS up to the end of each training step (memory.csv against steps.csv)."""
-    with (run_dir / "memory.csv").open() as stream:
-        samples = [(float(row["time_unix"]), int(row["rss_bytes"])) for row in csv.DictReader(stream)]
-    with (run_dir / "steps.csv").open() as stream:
-        ends = [float(row["time_unix"]) for row in csv.DictReader(stream)]
-    return [max((rss for at, rss in samples if at <= end), default=0) for end in ends]
 
 
 def main() -> int:
