@@ -64,22 +64,31 @@ PLAYBOOK = """\
 """
 
 
-def write_play(
-    folder: Path, image: str, hostvars: dict[str, dict[str, str]], **variables
-) -> tuple[Path, Path]:
-    """An inventory of two local hosts (group `workers`), the playbook and its extra variables."""
-    lines = ["[workers]"]
+def write_local_inventory(
+    path: Path, group: str, hostvars: dict[str, dict], group_vars: tuple[str, ...] = ()
+) -> None:
+    """An inventory of ``group``: each host of ``hostvars`` on its line with its variables, all of them this
+    machine (local connection, this Python, worker address 127.0.0.1), and ``group_vars`` lines beside."""
+    lines = [f"[{group}]"]
     for host, values in hostvars.items():
         lines.append(" ".join([host, *(f"{key}={value}" for key, value in values.items())]))
     lines += [
         "",
-        "[workers:vars]",
+        f"[{group}:vars]",
         "ansible_connection=local",
         f"ansible_python_interpreter={sys.executable}",
         "ansible_become=false",
         "bigmem_train_worker_address=127.0.0.1",
+        *group_vars,
     ]
-    (folder / "inventory.ini").write_text("\n".join(lines) + "\n")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def write_play(
+    folder: Path, image: str, hostvars: dict[str, dict[str, str]], **variables
+) -> tuple[Path, Path]:
+    """An inventory of two local hosts (group `workers`), the playbook and its extra variables."""
+    write_local_inventory(folder / "inventory.ini", "workers", hostvars)
     (folder / "train.yml").write_text(PLAYBOOK)
     name, _, tag = image.partition(":")
     extra = {
@@ -159,27 +168,21 @@ def guide_checkout(folder: Path, image: str, ports: list[int]) -> Path:
     name, _, tag = image.partition(":")
     # Numbers on the hosts' lines: Ansible reads those as literals, [group:vars] values as strings.
     settings = {"bigmem_train_poll": 3, "bigmem_train_timeout": 900}
-    lines = ["[bigmem]"]
-    for host, port in zip(HOSTS, ports):
-        values = {
+    hostvars = {
+        host: {
             **settings,
             "bigmem_train_worker_port": port,
             "bigmem_train_results_dir": results_folder(folder / host),
         }
-        lines.append(" ".join([host, *(f"{key}={value}" for key, value in values.items())]))
-    lines += [
-        "",
-        "[bigmem:vars]",
-        "ansible_connection=local",
-        f"ansible_python_interpreter={sys.executable}",
-        "ansible_become=false",
-        "bigmem_train_worker_address=127.0.0.1",
+        for host, port in zip(HOSTS, ports)
+    }
+    group_vars = (
         # The hosts are this machine, whatever it runs; tests/lab checks the OS checks on a real server.
         "bigmem_preflight_check_os=false",
         f"bigmem_image_name={name}",
         f"bigmem_image_tag={tag or 'latest'}",
-    ]
-    (folder / "inventory.ini").write_text("\n".join(lines) + "\n")
+    )
+    write_local_inventory(folder / "inventory.ini", "bigmem", hostvars, group_vars)
     (ansible / "multi-worker.yml").write_text(yaml.safe_dump({"bigmem_train_job": JOB}, sort_keys=False))
     return ansible
 

@@ -35,7 +35,7 @@ from bigmem_train.errors import BadInput
 from bigmem_train.host import read_host_facts
 from bigmem_train.memory.plan import plan_job
 from bigmem_train.ops.scheduler import bigmem_train_executable, check_time
-from bigmem_train.verdict.postmortem import container_id
+from bigmem_train.verdict.postmortem import SLURM_ENDED, container_id
 from tests.fixtures.common import free_port, write_tiny_job
 from tests.fixtures.slurm import NETWORK
 
@@ -108,7 +108,7 @@ def job_ids(cluster) -> set[str]:
     )
 
 
-def wait_for(cluster, job_id: str, states: set[str], timeout: float) -> dict[str, str]:
+def wait_for(cluster, job_id: str, states: frozenset[str] | set[str], timeout: float) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while True:
         job = cluster.job(job_id)
@@ -129,9 +129,7 @@ def test_a_submitted_job_runs_with_its_plan_as_mem_and_passes(slurm_cluster, tmp
     assert job_id.isdigit()
     request = _request_mib(job)
     assert slurm_cluster.job(job_id)["MinMemoryNode"] == f"{request}M"
-    ended = wait_for(
-        slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 150
-    )
+    ended = wait_for(slurm_cluster, job_id, SLURM_ENDED, 150)
     log = folder / "results" / f"slurm-1.slurm-{job_id}.out"
     assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", log.read_text()[-3000:]
     verdict = json.loads((folder / "results" / "slurm-1" / "verdict.json").read_text())
@@ -151,9 +149,7 @@ def test_a_job_that_fails_validation_ends_failed_with_exit_code_1(slurm_cluster,
     done = submit(slurm_cluster, job, "fails", "--set", "validation.dice_floor=1.0")
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
-    ended = wait_for(
-        slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 150
-    )
+    ended = wait_for(slurm_cluster, job_id, SLURM_ENDED, 150)
     log = tmp_path / "results" / f"fails.slurm-{job_id}.out"
     assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "1:0"), log.read_text()[-3000:]
     verdict = json.loads((tmp_path / "results" / "fails" / "verdict.json").read_text())
@@ -231,9 +227,7 @@ def test_a_job_submitted_with_image_runs_in_the_container_and_passes(slurm_clust
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
     assert slurm_cluster.job(job_id)["MinMemoryNode"] == f"{_request_mib(job)}M"
-    ended = wait_for(
-        slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 240
-    )
+    ended = wait_for(slurm_cluster, job_id, SLURM_ENDED, 240)
     log = tmp_path / "results" / f"img-1.slurm-{job_id}.out"
     assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", log.read_text()[-3000:]
     run_dir = tmp_path / "results" / "img-1"
@@ -259,9 +253,7 @@ def test_an_image_job_that_fails_validation_ends_failed_with_exit_code_1(
     )
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
-    ended = wait_for(
-        slurm_cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 240
-    )
+    ended = wait_for(slurm_cluster, job_id, SLURM_ENDED, 240)
     log = tmp_path / "results" / f"img-fails.slurm-{job_id}.out"
     assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "1:0"), log.read_text()[-3000:]
     assert json.loads((tmp_path / "results" / "img-fails" / "verdict.json").read_text())["verdict"] == "FAIL"
@@ -383,7 +375,7 @@ def test_a_job_slurm_kills_for_memory_is_named_by_validate(slurm_cluster_over_me
     )
     assert sent.returncode == 0, sent.stderr
     job_id = sent.stdout.strip()
-    ended = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 150)
+    ended = wait_for(cluster, job_id, SLURM_ENDED, 150)
     log = tmp_path / "results" / f"oom.slurm-{job_id}.out"
     assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "0:9"), log.read_text()[-3000:]
     run_dir = tmp_path / "results" / "oom"
@@ -417,7 +409,7 @@ def test_a_multi_worker_job_on_two_nodes_runs_a_worker_on_each_and_passes(
     done = submit(cluster, job, "two", "--nodes", "2", "--time", "10:00")
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
-    ended = wait_for(cluster, job_id, {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY"}, 240)
+    ended = wait_for(cluster, job_id, SLURM_ENDED, 240)
     log = tmp_path / "results" / f"two.slurm-{job_id}.out"
     text = log.read_text()
     assert ended["JobState"] == "COMPLETED" and ended["ExitCode"] == "0:0", text[-4000:]
