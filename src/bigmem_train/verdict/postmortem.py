@@ -367,12 +367,12 @@ def _ending_of_gone_process(run_dir: Path, state: dict[str, Any]) -> Ending | No
     slurm_job = (state.get("slurm") or {}).get("job_id")
     # `bigmem-train submit` writes the job's output beside its run directory (RESULTS/NAME.slurm-JOBID.out).
     slurm_log = Path(run_dir).parent / f"{Path(run_dir).name}.slurm-{slurm_job}.out"
-    slurm = None
+    slurm, asked_slurm = None, False
     if not rebooted:
         alive = _process_alive(state)
         if alive is None and slurm_job:
             # Another host (a login node): the job's state in Slurm says whether the run still runs.
-            slurm = slurm_ending(slurm_job, slurm_log)
+            slurm, asked_slurm = slurm_ending(slurm_job, slurm_log), True
             alive = None if slurm is None or not slurm.source else slurm.state not in SLURM_ENDED
         if alive is None:
             identifier = container_id(state)
@@ -382,7 +382,7 @@ def _ending_of_gone_process(run_dir: Path, state: dict[str, Any]) -> Ending | No
             alive = bool(container_state.get("Running"))
         if alive:
             return None
-    if slurm is None and slurm_job:
+    if slurm_job and not asked_slurm:
         slurm = slurm_ending(slurm_job, slurm_log)
     exit_code = container_state.get("ExitCode") if container_state else None
     measured = last_measured_bytes(run_dir, state)
