@@ -14,6 +14,7 @@ import time
 from bigmem_train.cli.apply import add_predict_options, predict_option_flags
 from bigmem_train.errors import BadInput
 from bigmem_train.ops import remote, remote_predict
+from bigmem_train.ops.hosts import DEFAULT_IMAGE
 
 DEFAULT_INVENTORY_ENV = "BIGMEM_TRAIN_INVENTORY"
 
@@ -67,7 +68,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--config", "-c", required=True, metavar="FILE", help="job config (YAML) or preset name"
     )
     start.add_argument("--name", metavar="NAME", help="job and container name (default bigmem-DATE-TIME)")
-    start.add_argument("--image", default="bigmem-train", help="container image (default bigmem-train)")
+    start.add_argument("--image", default=DEFAULT_IMAGE, help=f"container image (default {DEFAULT_IMAGE})")
     start.add_argument(
         "--no-docker",
         action="store_true",
@@ -109,7 +110,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--labels", metavar="HOST_DIR", help="evaluate the masks against this label folder on the host"
     )
     predict.add_argument("--name", metavar="NAME", help="job and container name (default predict-DATE-TIME)")
-    predict.add_argument("--image", default="bigmem-train", help="container image (default bigmem-train)")
+    predict.add_argument("--image", default=DEFAULT_IMAGE, help=f"container image (default {DEFAULT_IMAGE})")
     predict.add_argument(
         "--no-docker",
         action="store_true",
