@@ -210,6 +210,14 @@ def test_start_follow_status_fetch_a_tiny_job(inventory, tmp_path):
     tail = remote("logs", "lab", "tiny", "--lines", "1", inventory=inventory)
     assert tail.stdout.strip().startswith("PASS")
 
+    # Its name is taken for good: a second start is refused on the workstation, the finished job left as it is.
+    job_file = tmp_path / "remote" / "jobs" / "tiny" / "job.json"
+    before = job_file.read_text()
+    again = remote("start", "lab", "--config", config, "--name", "tiny", "--no-docker", inventory=inventory)
+    assert again.returncode == 2 and "job tiny on lab already finished" in one_line(again), again.stderr
+    assert job_file.read_text() == before
+    assert (tmp_path / "remote" / "jobs" / "tiny" / "exit_code").read_text().strip() == "0"
+
     fetched = remote("fetch", "lab", "tiny", "--to", tmp_path / "fetched", inventory=inventory)
     assert fetched.returncode == 0, fetched.stderr
     assert "verdict PASS" in fetched.stdout

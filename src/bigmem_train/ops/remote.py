@@ -58,6 +58,7 @@ from bigmem_train.ops.hosts import (
     load_inventory,
 )
 from bigmem_train.ops.status import _is_running, _read_job, format_status, status
+from bigmem_train.verdict.rundir import FINISHED
 
 # What `bigmem-train remote` and its callers use from this module, wherever it is defined.
 __all__ = [
@@ -213,7 +214,8 @@ JOB_KINDS = {"run": "training", "predict": "predict"}
 
 def check_name_free(connection: Any, host: RemoteHost, name: str, command: str) -> None:
     """Refuse a job name that is running, or that belongs to a job of the other kind (a training run and
-    predictions would share one results folder). A stopped or finished job of the same kind may be rerun."""
+    predictions would share one results folder), or a training job whose run finished (a finished run is
+    kept as it is). A stopped or failed training job is resumed under its name; a predict job may be rerun."""
     existing = _read_job(connection, host, name, required=False)
     if existing is None:
         return
@@ -226,6 +228,20 @@ def check_name_free(connection: Any, host: RemoteHost, name: str, command: str) 
         raise BadInput(
             f"job {name} on {host.name} is a {JOB_KINDS.get(kind, kind)} job; choose another --name"
         )
+    if kind == "run" and existing.get("run_dir"):
+        # A finished run is never overwritten (`run` refuses it inside the job): say so before launching.
+        state = _run(
+            connection, f"cat {shlex.quote(existing['folder'])}/{shlex.quote(existing['run_dir'])}/state.json"
+        )
+        try:
+            finished = json.loads(state.stdout).get("state") == FINISHED if state.exited == 0 else False
+        except (json.JSONDecodeError, AttributeError):
+            finished = False
+        if finished:
+            raise BadInput(
+                f"job {name} on {host.name} already finished (its run {existing['run_dir']} is kept as it "
+                f"is); fetch it, or choose another --name"
+            )
 
 
 def check_runner(connection: Any, host: RemoteHost, docker: bool) -> None:
