@@ -5,12 +5,17 @@ Every reader takes a ``root`` so tests can point it at a recorded sysfs/procfs l
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import platform
 import re
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from bigmem_train.errors import BadInput
 
 
 @dataclass
@@ -375,10 +380,45 @@ def read_cpu_flags(root: Path = Path("/")) -> list[str]:
 AVX512_CORE_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 
 
+# The CPU that planning answers for when it is not this machine's (:func:`as_cpu`).
+_PLANNED_CPU: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "planned_cpu", default=None
+)
+
+# Flags that stand for each ISA class of :func:`cpu_isa` (the ones the kit's decisions read).
+ISA_FLAGS = {
+    "avx512+amx": AVX512_CORE_FLAGS
+    | {"avx2", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8"},
+    "avx512+bf16": AVX512_CORE_FLAGS | {"avx2", "avx512_bf16", "avx512_vnni"},
+    "avx512": AVX512_CORE_FLAGS | {"avx2"},
+    "avx2": frozenset({"avx2"}),
+    "other": frozenset(),
+}
+
+
 @functools.cache
-def this_cpu_flags() -> frozenset[str]:
-    """This machine's CPU flags, read once."""
+def _read_this_cpu_flags() -> frozenset[str]:
     return frozenset(read_cpu_flags())
+
+
+def this_cpu_flags() -> frozenset[str]:
+    """This machine's CPU flags, read once; within :func:`as_cpu`, those of the CPU planned for."""
+    planned = _PLANNED_CPU.get()
+    return _read_this_cpu_flags() if planned is None else planned
+
+
+@contextlib.contextmanager
+def as_cpu(isa: str) -> Iterator[None]:
+    """Plan as on a CPU of ISA class ``isa`` (:func:`cpu_isa`'s names), not this machine's: what the model
+    builds and the planner predicts on that CPU (oneDNN's kernels and buffers differ by ISA). Refitting a
+    calibration file's runs uses the CPU they ran on; BadInput for a class it does not know."""
+    if isa not in ISA_FLAGS:
+        raise BadInput(f"unknown CPU class {isa!r}: one of {', '.join(ISA_FLAGS)}")
+    token = _PLANNED_CPU.set(frozenset(ISA_FLAGS[isa]))
+    try:
+        yield
+    finally:
+        _PLANNED_CPU.reset(token)
 
 
 def read_cpu_model(root: Path = Path("/")) -> str:

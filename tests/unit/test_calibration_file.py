@@ -83,13 +83,15 @@ def test_packaged_constants_are_the_refit_of_their_runs(calibration_tables_in_pl
     path = constants.PACKAGED_CALIBRATION.with_name(name) if name in FITTED else Path(name)
     how = FITTED.get(name) or CANDIDATES[path]
     samples = calibration_tables.packaged_samples(path)
-    if how == "every run":
-        refitted, _ = calibrate.fit_worst_runs(_every_run_its_own_job(samples))
-        assert not refitted.envelope_margins and not refitted.run_range
-    else:
-        # Long runs stored with the file (measured.long_runs, issue 46) fit its long-run allowance.
-        refitted = calibrate.fit_constants(samples, calibration_tables_long_samples(path) or None)
-        assert set(refitted.envelope_margins) == {"plain", "recompute", "mixed"}
+    # Predicted as on the CPU the runs ran on (calibrate.refit does the same), whatever this machine's is.
+    with runs_cpu(path):
+        if how == "every run":
+            refitted, _ = calibrate.fit_worst_runs(_every_run_its_own_job(samples))
+            assert not refitted.envelope_margins and not refitted.run_range
+        else:
+            # Long runs stored with the file (measured.long_runs, issue 46) fit its long-run allowance.
+            refitted = calibrate.fit_constants(samples, calibration_tables_long_samples(path) or None)
+            assert set(refitted.envelope_margins) == {"plain", "recompute", "mixed"}
     # What the planner reads from the file, not the raw JSON: a key dropped from the file counts too.
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(path))
     loaded = constants.load_calibration()
@@ -115,6 +117,11 @@ def test_packaged_constants_are_the_refit_of_their_runs(calibration_tables_in_pl
     assert loaded.long_run_range_runs == refitted.long_run_range_runs
     if not loaded.long_run_range:  # fitted on short runs alone: every plan adds the documented floor
         assert loaded.long_run_growth == DOCUMENTED_LONG_RUN_GROWTH
+
+
+def runs_cpu(path: Path):
+    """Plan as on the CPU the file's runs were measured on (``calibrate.runs_cpu``)."""
+    return calibrate.runs_cpu(json.loads(path.read_text())["measured"])
 
 
 def calibration_tables_long_samples(path):
@@ -144,12 +151,14 @@ def test_the_long_run_allowance_is_fitted_on_stored_long_runs_and_the_floor_with
     shipped = json.loads(epyc.read_text())
     assert shipped["measured"]["long_runs"], "the EPYC's file stores its long runs"
     samples, long_samples = calibration_tables.packaged_samples(epyc), calibration_tables_long_samples(epyc)
-    fitted = calibrate.fit_constants(samples, long_samples)
+    with runs_cpu(epyc):
+        fitted = calibrate.fit_constants(samples, long_samples)
+        # The same runs without their long runs would get the floor.
+        floor = calibrate.fit_constants(samples).long_run_growth
     assert shipped["long_run_growth"] == pytest.approx(fitted.long_run_growth, abs=1e-4)
     assert shipped["long_run_growth"] != DOCUMENTED_LONG_RUN_GROWTH
     assert f"shipped since 6 December: {shipped['long_run_growth'] * 100:.2f} %" in text
-    # The same runs without their long runs would get the floor.
-    assert calibrate.fit_constants(samples).long_run_growth == DOCUMENTED_LONG_RUN_GROWTH
+    assert floor == DOCUMENTED_LONG_RUN_GROWTH
     xeon = json.loads(constants.PACKAGED_CALIBRATION.read_text())
     assert not xeon["measured"].get("long_runs")
     monkeypatch.setenv("BIGMEM_CALIBRATION", str(constants.PACKAGED_CALIBRATION))

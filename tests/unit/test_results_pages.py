@@ -6,6 +6,7 @@ holds are marked on their page as measured by hand."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from bigmem_train.config import load_config
-from bigmem_train.memory import constants, layers
+from bigmem_train.memory import calibrate, constants, layers
 from bigmem_train.memory.calibrate import job_config
 from bigmem_train.memory.constants import LONG_RUN_GROWTH, PLAN_COST_BOUND, PLAN_COST_MEASURED, PLAN_COVERAGE
 from bigmem_train.memory.estimate import estimate
@@ -728,15 +729,19 @@ def test_against_the_cpus_peak():
 
 @pytest.fixture
 def recorded_planner(monkeypatch):
-    """Today's planner on the recorded layer tables of the study's U-Net (as on a CPU with AVX-512), with a
-    packaged constants file chosen by path."""
+    """Today's planner on the recorded layer tables of the study's U-Net, with a packaged constants file
+    chosen by path, planning as on the CPU that file's runs were measured on (calibrate.runs_cpu): the
+    pages' figures are that machine's, whatever CPU runs the test."""
     monkeypatch.setattr(layers, "layer_table", layer_records.table_for)
+    cpus = contextlib.ExitStack()
 
     def with_constants(path: Path):
         monkeypatch.setenv("BIGMEM_CALIBRATION", str(path))
+        cpus.enter_context(calibrate.runs_cpu(json.loads(Path(path).read_text())["measured"]))
         return constants.load_calibration()
 
-    return with_constants
+    with cpus:
+        yield with_constants
 
 
 def test_study_job_plan_is_todays(recorded_planner):

@@ -16,6 +16,7 @@ off]; it writes the constants, the model they belong to and the runtime they wer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -30,7 +31,7 @@ from typing import Any
 
 from bigmem_train.config import Config, load_config
 from bigmem_train.errors import BadInput
-from bigmem_train.host import cpu_isa, read_cpu_flags, read_cpu_model
+from bigmem_train.host import as_cpu, cpu_isa, read_cpu_flags, read_cpu_model
 from bigmem_train.memory import layers
 from bigmem_train.memory.constants import (
     LONG_RUN_GROWTH,
@@ -670,6 +671,13 @@ def calibrate(
     return path
 
 
+def runs_cpu(measured: dict[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """Plan as on the CPU a calibration file's runs were measured on (``measured.cpu.isa``: oneDNN's
+    kernels, and so what the planner predicts, differ by ISA); this machine's where the file does not say."""
+    isa = (measured.get("cpu") or {}).get("isa")
+    return as_cpu(isa) if isa else contextlib.nullcontext()
+
+
 def refit(
     path: Path,
     added: list[dict[str, Any]],
@@ -686,9 +694,11 @@ def refit(
     if long_runs:
         measured["long_runs"] = measured.get("long_runs", []) + long_runs
     base = load_config()
-    fitted = fit_constants(
-        samples_of(base, measured["jobs"]), samples_of(base, measured.get("long_runs", [])) or None
-    )
+    # The runs are predicted as on the CPU they ran on, whichever machine refits them.
+    with runs_cpu(measured):
+        fitted = fit_constants(
+            samples_of(base, measured["jobs"]), samples_of(base, measured.get("long_runs", [])) or None
+        )
     if note:
         measured["how"] = f"{measured['how']}; {note}"
     measured["refitted"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
