@@ -245,9 +245,11 @@ class FootprintConfig(_Section):
         0.10,
         ge=0.0,
         lt=1.0,
-        description="Share of available memory kept free when deciding whether a plan fits: the plan is the "
-        "upper envelope of a job's runs, and a run may still end up to 3 % above it (none of the 78 scored "
-        "runs did; docs/results/planner-accuracy.md).",
+        description="Share of the host's available memory (MemAvailable) kept free when deciding whether a plan "
+        "fits, for the OS and everything else on the host. Under a cgroup limit (a scheduler's --mem, docker "
+        "--memory: the job's own allowance) a plan fits up to the limit x guard.threshold / 1.03, so a run "
+        "that ends 3 % above its plan (none of the 78 scored runs did more; docs/results/planner-accuracy.md) "
+        "stays under the point where the memory guard stops it (docs/guides/slurm.md).",
     )
     resize: Literal["batch", "shape", "both"] = Field(
         "both",

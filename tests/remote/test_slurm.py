@@ -1,18 +1,20 @@
 """``bigmem-train submit`` and ``bigmem-train slurm`` against a real one-node Slurm cluster on localhost
-(tests/fixtures/slurm.py): a tiny job submitted with its plan as --mem, from a folder whose name has a
-space, ends COMPLETED with exit 0 and a PASS verdict, and ``slurm status``/``fetch`` show and copy it; a
-job that fails validation ends FAILED with ExitCode 1:0; two jobs whose --mem together exceed the node's
-RealMemory run one at a time, the second PENDING for Resources; one running job is watched with ``slurm
-status``/``logs`` and stopped with ``slurm stop``; bad input (unknown partition, --nodes beyond the
-partition, a bad --time, no Slurm client, no controller) is one line, exit 2, and nothing submitted; every
---time form ``submit`` accepts, sbatch accepts. On a second cluster that kills a job whose RSS passes its
---mem (jobacct_gather's OverMemoryKill, no cgroups), the kit's batch script with a --mem below what the job
-touches is killed, and ``validate`` names Slurm's kill for memory, exit 1. On a third, of two nodes (one slurmd
-in each of two network namespaces), a multi_worker job submitted with ``--nodes 2`` runs one worker on each
-node, with one worker's plan as --mem, and the chief's verdict passes. With ``--image`` (marker ``docker``),
-the tiny job runs in the suite's image on the one node and passes (and one made to fail validation ends
-FAILED, ExitCode 1:0), ``slurm stop`` of a running one leaves no container behind, and an image Docker does
-not know is one line, exit 2, nothing submitted.
+(tests/fixtures/slurm.py): a tiny job submitted with its plan as --mem, from a folder whose name has a space,
+ends COMPLETED with exit 0 and a PASS verdict, and ``slurm status``/``fetch`` show and copy it; a job that
+fails validation ends FAILED with ExitCode 1:0; two jobs whose --mem together exceed the node's RealMemory run
+one at a time, the second PENDING for Resources; one running job is watched with ``slurm status``/``logs`` and
+stopped with ``slurm stop``; bad input (unknown partition, --nodes beyond the partition, a bad --time, no
+Slurm client, no controller) is one line, exit 2, and nothing submitted; every --time form ``submit`` accepts,
+sbatch accepts. On a second cluster that kills a job whose RSS passes its --mem (jobacct_gather's
+OverMemoryKill, no cgroups), the kit's batch script with a --mem below what the job touches is killed, and
+``validate`` names Slurm's kill for memory, exit 1. On a third that enforces --mem through the kernel
+(task/cgroup, cgroup v1), the job asked for with its plan runs inside that limit and passes, one given less
+than its plan is refused by its own preflight (exit 3), and one that outgrows its limit ends OUT_OF_MEMORY and
+validate names it. On a fourth, of two nodes (one slurmd in each of two network namespaces), a multi_worker
+job submitted with ``--nodes 2`` runs one worker on each node, with one worker's plan as --mem, and the
+chief's verdict passes. With ``--image`` (marker ``docker``), the tiny job runs in the suite's image on the
+one node and passes (and one made to fail validation ends FAILED, ExitCode 1:0), ``slurm stop`` of a running
+one leaves no container behind, and an image Docker does not know is one line, exit 2, nothing submitted.
 
 The node declares 1.5 times the tiny job's --mem as its RealMemory (a node may declare less than it has),
 so that two tiny jobs cannot run side by side: memory, not CPUs, decides (each asks for one CPU).
@@ -50,7 +52,8 @@ ACCEPTED_TIMES = ["30", "30:00", "2:30:00", "1-12", "1-12:30", "1-12:30:15", "UN
 
 def _request_mib(job: Path) -> int:
     config = load_config(str(job), {"runtime.intra_op_threads": 1}, {})
-    return math.ceil(plan_job(config, read_host_facts(), to_run_here=False).peak_bytes * 1.03 / 2**20)
+    # The plan with its 3 % coverage, under the memory guard's 97 % of the limit.
+    return math.ceil(plan_job(config, read_host_facts(), to_run_here=False).peak_bytes * 1.03 / 0.97 / 2**20)
 
 
 def _worker_request_mib(job: Path, workers: int, monkeypatch) -> int:
@@ -459,3 +462,112 @@ def test_each_task_of_a_two_node_step_gets_its_own_tf_config(slurm_cluster_two_n
     assert workers == [f"{NETWORK}.11:{port}", f"{NETWORK}.12:{port}"] and 20000 <= port < 30000
     assert [config["task"] for config in configs] == [{"type": "worker", "index": i} for i in (0, 1)]
     assert configs[1]["cluster"] == configs[0]["cluster"]
+
+
+def _job_cgroup(job_id: str) -> Path:
+    """The v1 memory cgroup Slurm's task/cgroup made for job ``job_id`` (slurm_NODE/uid_U/job_N)."""
+    found = sorted(Path("/sys/fs/cgroup/memory").glob(f"slurm*/uid_*/job_{job_id}"))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_under_cgroup_enforcement_the_planned_mem_holds_the_job_and_it_passes(slurm_cluster_cgroup, tmp_path):
+    """The bigmem_slurm role's enforcement (the job in a memory cgroup of its --mem): the kit's job, asked for
+    with its plan, runs inside that limit, its preflight and memory guard see the limit and let it run, and it
+    passes."""
+    cluster = slurm_cluster_cgroup
+    job = write_tiny_job(tmp_path / "job.yaml")
+    done = submit(cluster, job, "held", "--time", "10:00")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    request = _request_mib(job)
+    ended = wait_for(cluster, job_id, SLURM_ENDED, 150)
+    log = tmp_path / "results" / f"held.slurm-{job_id}.out"
+    assert (ended["JobState"], ended["ExitCode"]) == ("COMPLETED", "0:0"), log.read_text()[-3000:]
+    assert ended["MinMemoryNode"] == f"{request}M"
+    run = tmp_path / "results" / "held"
+    assert json.loads((run / "verdict.json").read_text())["verdict"] == "PASS"
+    # The run measured itself inside the job's cgroup, whose limit is the --mem asked for.
+    cgroup = json.loads((run / "state.json").read_text())["cgroup"]
+    assert (cgroup["version"], cgroup["limit_bytes"]) == (1, request * 2**20), cgroup
+    peak = max(int(row["working_set_bytes"]) for row in _memory_rows(run))
+    assert 0 < peak < request * 2**20
+
+
+def _memory_rows(run: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(run / "memory.csv", newline="") as handle:
+        return [row for row in csv.DictReader(handle) if row.get("working_set_bytes")]
+
+
+def test_under_cgroup_enforcement_a_mem_below_the_plan_is_refused_by_the_job_at_once(
+    slurm_cluster_cgroup, tmp_path
+):
+    """The batch script with its --mem lowered by hand below the plan: the job's preflight reads the cgroup's
+    limit and refuses (exit 3, one line naming the limit) before TensorFlow trains, instead of being killed."""
+    cluster = slurm_cluster_cgroup
+    job = write_tiny_job(tmp_path / "job.yaml")
+    job_id = _sbatch_lowered(cluster, job, "small", KILL_MEM_MIB + 200, tmp_path)
+    ended = wait_for(cluster, job_id, SLURM_ENDED, 150)
+    text = (tmp_path / "results" / f"small.slurm-{job_id}.out").read_text()
+    assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "3:0"), text[-3000:]
+    assert f"usable (the cgroup v1 memory limit {(KILL_MEM_MIB + 200) * 2**20} B" in text, text[-3000:]
+
+
+def _sbatch_lowered(cluster, job: Path, name: str, mem_mib: int, folder: Path, *extra: str) -> str:
+    """``submit --dry-run``'s batch script with its --mem set to ``mem_mib``, sent with sbatch: its job id."""
+    dry = submit(cluster, job, name, "--dry-run", *extra)
+    assert dry.returncode == 0, dry.stderr
+    script = "\n".join(dry.stdout.splitlines()[:-1]) + "\n"  # the last line is the plan, not the script's
+    script, lowered = re.subn(r"(?m)^#SBATCH --mem=\d+M$", f"#SBATCH --mem={mem_mib}M", script)
+    assert lowered == 1, script
+    (folder / "results").mkdir(exist_ok=True)
+    sent = subprocess.run(
+        ["sbatch", "--parsable"], input=script, env=cluster.env, cwd=folder, capture_output=True, text=True
+    )
+    assert sent.returncode == 0, sent.stderr
+    return sent.stdout.strip()
+
+
+def test_under_cgroup_enforcement_a_job_that_outgrows_its_limit_ends_out_of_memory_and_validate_says_so(
+    slurm_cluster_cgroup, tmp_path
+):
+    """A job that grows past its cgroup's limit is killed by the kernel and Slurm ends it OUT_OF_MEMORY. A
+    planned job stays under its limit, so the test makes one outgrow it: once the job has started, its cgroup's
+    limit is lowered to just above what it holds (what a leak, or a plan far off, would reach), with the
+    memory guard off (guard.enabled false, a user's choice; with it on, the guard stops the job cleanly
+    first). validate then names Slurm's kill, at the size the run last measured."""
+    cluster = slurm_cluster_cgroup
+    job = write_tiny_job(tmp_path / "job.yaml", epochs=200)
+    done = submit(cluster, job, "outgrown", "--set", "guard.enabled=false")
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    run = tmp_path / "results" / "outgrown"
+    # Once the run has measured itself (a row in memory.csv), so that validate has a size to name.
+    deadline = time.monotonic() + 120
+    while not (run / "memory.csv").exists() or not _memory_rows(run):
+        assert time.monotonic() < deadline and cluster.job(job_id).get("JobState") in ("PENDING", "RUNNING")
+        time.sleep(0.2)
+    cgroup = _job_cgroup(job_id)
+    for _ in range(20):  # a limit below what the cgroup holds is refused (EBUSY): aim above it
+        usage = int((cgroup / "memory.usage_in_bytes").read_text())
+        try:
+            (cgroup / "memory.limit_in_bytes").write_text(str(usage + 16 * 2**20))
+            break
+        except OSError:
+            time.sleep(0.1)
+    ended = wait_for(cluster, job_id, SLURM_ENDED, 150)
+    log = tmp_path / "results" / f"outgrown.slurm-{job_id}.out"
+    assert ended["JobState"] == "OUT_OF_MEMORY", (ended, log.read_text()[-3000:])
+    validated = bigmem_train(cluster, tmp_path, "validate", str(run))
+    assert validated.returncode == 1, validated.stdout + validated.stderr
+    finished = next(line for line in validated.stdout.splitlines() if "] finished: " in line)
+    request = _request_mib(job)
+    # Slurm's word is the evidence: the job's cgroup, and the OOM counter in it, went with the job.
+    assert re.fullmatch(
+        rf"  \[FAIL\] finished: killed by Slurm for memory at about \d+\.\d\d GiB \(job {job_id} OUT_OF_MEMORY, "
+        rf"--mem {request}M; planned \d+\.\d\d GiB; cgroup v1 limit \d+\.\d\d GiB\) \(scontrol says job "
+        rf"{job_id} OUT_OF_MEMORY, ExitCode \d+:\d+\); \d+ of 200 epochs finished",
+        finished,
+    ), finished

@@ -234,7 +234,9 @@ def test_target_beyond_the_host_does_not_fit(tables):
     """A target far past the host (100TiB on an 8 GiB cgroup) is a job that does not fit (exit 3), said with
     the host's usable memory, not bad input suggesting a range of targets the host cannot hold."""
     eight = host("one_node_cgroup2")
-    usable = int(eight.effective_memory_bytes * 0.9)
+    # Under the cgroup's 8 GiB: what keeps a run 3 % above its plan under the guard's 97 % of the limit.
+    assert eight.cgroup_limit_bytes == 8 * GIB < eight.memory_available_bytes
+    usable = int(8 * GIB * 0.97 / 1.03)
     with pytest.raises(DoesNotFit, match=r"footprint.target .* does not fit this host: .* usable") as refused:
         plan_job(study(**{"footprint.target": "100TiB"}), eight, CALIBRATION)
     assert refused.value.exit_code == EXIT_DOES_NOT_FIT
@@ -250,7 +252,7 @@ def test_suggested_targets_fit_the_host(tables):
     leaves the job (batch 1 is 95 % of it here, so batch 1 / 0.9 would be past the host)."""
     one = plan_job(study(**{"training.batch_size": 1}), None, CALIBRATION).peak_bytes
     usable = int(one / 0.95)
-    small = dataclasses.replace(host("one_node_cgroup2"), cgroup_limit_bytes=int(usable / 0.9) + 1)
+    small = dataclasses.replace(host("one_node_cgroup2"), cgroup_limit_bytes=int(usable * 1.03 / 0.97) + 1)
     assert small.effective_memory_bytes == small.cgroup_limit_bytes
     target = f"{int(usable / 0.905)}B"
     with pytest.raises(BadInput, match="cannot be reached") as refused:

@@ -1,6 +1,8 @@
 """Preflight: refuse a plan that cannot fit, with one actionable message; the CLI's exit code 3."""
 
+import dataclasses
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,7 @@ from bigmem_train.config import load_config
 from bigmem_train.errors import DoesNotFit
 from bigmem_train.host import read_host_facts
 from bigmem_train.memory import preflight
+from bigmem_train.memory.plan import allowance as plan_allowance
 from bigmem_train.memory.plan import plan_job
 from tests.fixtures.common import TEST_CALIBRATION as CALIBRATION
 
@@ -34,8 +37,10 @@ def test_study_job_is_refused_in_a_small_container_with_an_actionable_message():
         preflight.check_fits(plan, small)
     message = str(refused.value)
     assert "predicted peak" in message and "GiB" in message
-    assert "cgroup v2 limit 8589934592 B (8.00 GiB)" in message
-    assert "10% safety margin" in message
+    assert (
+        "usable (the cgroup v2 memory limit 8589934592 B (8.00 GiB), less what keeps a run 3% above its plan "
+        "under the memory guard's 97% of it)" in message
+    )
     assert "not even batch 1 fits at 240x240x144" in message
     assert "largest input shape that fits at batch 1" in message
     # The levers, cheapest first, each with its predicted peak and step-time factor; here none keeps the
@@ -142,3 +147,40 @@ def test_preflight_command_json(monkeypatch, capsys):
     assert [node["cpus"] for node in data["host"]["numa_nodes"]] == [32, 32, 0, 0]
     assert data["host"]["cgroup_limit"]["gib"] == 1536.0
     assert data["plan"]["placement"]["policy"] in {"bind", "interleave"}
+
+
+def test_the_allowance_under_a_cgroup_limit_keeps_the_plans_promise_under_the_guard():
+    """Under a cgroup limit L (the job's own: Slurm's --mem, docker --memory) a job may plan up to
+    L x guard.threshold / 1.03, so a run 3 % above its plan stays under the point where the guard stops it;
+    the host's safety margin is for MemAvailable, which others share. Values computed here, not by the kit."""
+    container = host("one_node_cgroup2")
+    limit = container.cgroup_limit_bytes
+    assert limit == 8 * GIB and container.memory_available_bytes * 0.9 > limit
+    config = load_config("study", {"training.batch_size": 1, "data.input_shape": [64, 64, 64]})
+    assert plan_allowance(config, container)[0] == int(8 * GIB * 0.97 / 1.03)
+    stricter = load_config("study", {"training.batch_size": 1, "guard.threshold": 0.9})
+    assert plan_allowance(stricter, container)[0] == int(8 * GIB * 0.9 / 1.03)
+    # Where the host has less available than that, its available memory less the margin decides.
+    crowded = dataclasses.replace(container, memory_available_bytes=6 * GIB)
+    usable, why = plan_allowance(config, crowded)
+    assert usable == int(6 * GIB * 0.9) and "MemAvailable" in why and "10% safety margin" in why
+    no_cgroup = dataclasses.replace(container, cgroup_limit_bytes=None)
+    assert plan_allowance(config, no_cgroup)[0] == int(container.memory_available_bytes * 0.9)
+
+
+@pytest.mark.parametrize("threshold", [0.97, 0.9])
+def test_a_job_given_the_mem_submit_asks_for_fits_it_and_one_mib_less_does_not(threshold):
+    """``bigmem-train submit``'s --mem is the smallest cgroup limit the job's own preflight accepts: the job
+    Slurm starts with it runs; a limit of one MiB less is refused (exit 3) before it trains."""
+    from bigmem_train.ops.scheduler import mem_request_mib
+
+    container = host("one_node_cgroup2")
+    config = load_config("study", {"data.input_shape": [96, 96, 64], "guard.threshold": threshold})
+    plan = plan_job(config, container, CALIBRATION, to_run_here=False)
+    request = mem_request_mib(plan)
+    assert request == math.ceil(plan.peak_bytes * 1.03 / threshold / 2**20)
+    given = dataclasses.replace(container, cgroup_limit_bytes=request * 2**20)
+    preflight.check_fits(plan, given)
+    short = dataclasses.replace(container, cgroup_limit_bytes=(request - 1) * 2**20)
+    with pytest.raises(DoesNotFit, match="the cgroup v2 memory limit"):
+        preflight.check_fits(plan, short)

@@ -99,7 +99,7 @@ def test_dry_run_script_requests_the_plan_rounded_up_to_mib_and_submits_nothing(
     code = main(["submit", "--config", str(tiny), "--run-name", "s1", "--time", "0-01:00", "--dry-run"])
     out = capsys.readouterr().out
     assert code == 0
-    expected = math.ceil(_plan(tiny).peak_bytes * 1.03 / 2**20)  # independent of the renderer
+    expected = math.ceil(_plan(tiny).peak_bytes * 1.03 / 0.97 / 2**20)  # independent of the renderer
     assert f"#SBATCH --mem={expected}M\n" in out
     assert "#SBATCH --partition=bigmem\n" in out
     assert "#SBATCH --time=0-01:00\n" in out
@@ -130,7 +130,7 @@ def test_submit_sends_the_script_to_sbatch_and_prints_the_job_id(tiny, tmp_path,
 
 
 def test_a_plan_larger_than_the_partitions_nodes_does_not_fit(tiny, tmp_path, monkeypatch, capsys):
-    request = math.ceil(_plan(tiny).peak_bytes * 1.03 / 2**20)
+    request = math.ceil(_plan(tiny).peak_bytes * 1.03 / 0.97 / 2**20)
     stand_in = StandInSlurm(memory_mib=request - 1)
     monkeypatch.setattr(scheduler, "run_client", stand_in)
     monkeypatch.chdir(tmp_path)
@@ -142,7 +142,7 @@ def test_a_plan_larger_than_the_partitions_nodes_does_not_fit(tiny, tmp_path, mo
 
 
 def test_a_plan_of_exactly_the_nodes_memory_fits(tiny, tmp_path, monkeypatch):
-    request = math.ceil(_plan(tiny).peak_bytes * 1.03 / 2**20)
+    request = math.ceil(_plan(tiny).peak_bytes * 1.03 / 0.97 / 2**20)
     monkeypatch.setattr(scheduler, "run_client", StandInSlurm(memory_mib=request))
     monkeypatch.chdir(tmp_path)
     assert main(["submit", "--config", str(tiny), "--run-name", "s4", "--dry-run"]) == 0
@@ -191,7 +191,7 @@ def test_a_multi_worker_job_on_two_nodes_runs_one_worker_per_node_with_one_worke
     monkeypatch.delenv("TF_CONFIG")
     whole = _plan(tiny, {"training.strategy": "multi_worker"})
     assert per_worker.workers == 2 and per_worker.peak_bytes < whole.peak_bytes
-    expected = math.ceil(per_worker.peak_bytes * 1.03 / 2**20)
+    expected = math.ceil(per_worker.peak_bytes * 1.03 / 0.97 / 2**20)
     script, plan = out.rstrip().rsplit("\n", 1)
     lines = script.splitlines()
     assert [line for line in lines if line.startswith("#SBATCH --n")] == [
@@ -258,7 +258,7 @@ def test_an_image_job_runs_the_kits_hardened_docker_run_in_the_foreground(
     monkeypatch.chdir(tmp_path)
     argv = ["submit", "--config", str(tiny), "--run-name", "img-1", "--set", "runtime.intra_op_threads=3"]
     script = _image_script(capsys, [*argv, "--image", "bigmem-train:test"])
-    expected = math.ceil(_plan(tiny).peak_bytes * 1.03 / 2**20)
+    expected = math.ceil(_plan(tiny).peak_bytes * 1.03 / 0.97 / 2**20)
     assert f"#SBATCH --mem={expected}M\n" in script and "#SBATCH --ntasks=1\n" in script
     assert str(scheduler.bigmem_train_executable()) not in script
     words = _docker_run(script)
@@ -270,9 +270,12 @@ def test_an_image_job_runs_the_kits_hardened_docker_run_in_the_foreground(
     assert " ".join(HARDENED_DOCKER_FLAGS) in joined and _option(head, "--network") == ["none"]
     # Mounts: the results folder writable at /results, the config file read-only; no dataset for synthetic data.
     assert _option(head, "-v") == [f"{tmp_path / 'results'}:/results", f"{tiny}:/config/job.yaml:ro"]
-    # Docker's cgroup holds the container, not the job's: the job's CPUs are its limit; its --mem is not (a
-    # cgroup limit of the plan less the preflight's safety margin would not fit the plan).
-    assert _option(head, "--cpus") == ["3"] and "--memory" not in head
+    # Docker's cgroup holds the container, not the job's: the job's CPUs and its --mem are its limits, with no
+    # swap beyond it (the job's preflight and memory guard read that limit as they would Slurm's).
+    assert _option(head, "--cpus") == ["3"]
+    assert _option(head, "--memory") == [f"{expected}m"] and _option(head, "--memory-swap") == [
+        f"{expected}m"
+    ]
     assert _option(head, "-e") == ["SLURM_JOB_ID", "SLURM_CLUSTER_NAME", "SLURM_MEM_PER_NODE"]
     assert "${numa:+--cap-add" in head and "SYS_NICE}" in head
     assert job == [

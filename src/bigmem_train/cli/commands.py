@@ -16,7 +16,7 @@ from bigmem_train.host import read_host_facts
 from bigmem_train.memory.calibrate import calibrate
 from bigmem_train.memory.constants import load_calibration
 from bigmem_train.memory.levers import levers_to_fit
-from bigmem_train.memory.plan import plan_job
+from bigmem_train.memory.plan import allowance, plan_job
 from bigmem_train.memory.preflight import check_fits, usable_bytes
 from bigmem_train.ops.render import host_variables, list_templates, parse_variables, render, templates_dir
 from bigmem_train.ops.template_names import check_variable_names, template_names
@@ -102,8 +102,7 @@ def preflight_command(config: Config, as_json: bool) -> int:
         print(format_host(host))
         print(
             f"plan: peak {format_bytes(plan.peak_bytes)}, usable {format_bytes(usable)} "
-            f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the "
-            f"{config.footprint.safety_margin:.0%} safety margin); placement {plan.placement.policy}"
+            f"({allowance(plan.config, host)[1]}); placement {plan.placement.policy}"
         )
     check_fits(plan, host)
     if not as_json:

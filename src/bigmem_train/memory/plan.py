@@ -288,8 +288,7 @@ def _refuse_target_beyond_host(config: Config, host: HostFacts, target: int) -> 
         return
     raise DoesNotFit(
         f"footprint.target {format_bytes(target)} does not fit this host: {format_bytes(usable)} usable "
-        f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the "
-        f"{config.footprint.safety_margin:.0%} safety margin); set a target of at most {format_bytes(usable)}"
+        f"({allowance(config, host)[1]}); set a target of at most {format_bytes(usable)}"
     )
 
 
@@ -317,11 +316,32 @@ def _unreachable_target(config, sized, table, calibration, workers, peak, target
     )
 
 
+def allowance(config: Config, host: HostFacts) -> tuple[int, str]:
+    """What a job may take on ``host``, and why, in words: the host's available memory less
+    ``footprint.safety_margin`` (room for the OS and everything else on the host); under a cgroup limit (a
+    scheduler's ``--mem``, ``docker run --memory``: the job's own allowance, with nothing else in it) at most
+    what keeps a run that ends PLAN_COVERAGE above its plan under the memory guard's ``guard.threshold`` of
+    the limit, whichever is smaller. ``bigmem-train submit`` asks for the inverse (ops.scheduler.mem_request_mib),
+    so a job given its request always fits it."""
+    margin = config.footprint.safety_margin
+    available = host.memory_available_bytes
+    room = int(available * (1.0 - margin))
+    limit = host.cgroup_limit_bytes
+    if limit:
+        held = int(limit * config.guard.threshold / (1 + PLAN_COVERAGE))
+        if held <= room:
+            return held, (
+                f"the cgroup v{host.cgroup_version} memory limit {format_bytes(limit)}, less what keeps a run "
+                f"{PLAN_COVERAGE:.0%} above its plan under the memory guard's {config.guard.threshold:.0%} of it"
+            )
+    return room, (
+        f"the host's available memory (MemAvailable) {format_bytes(available)} less the {margin:.0%} safety margin"
+    )
+
+
 def _host_limit(config: Config, host: HostFacts | None) -> int | None:
-    """What the job may take on ``host`` when no target is set: its memory less the safety margin."""
-    if host is None:
-        return None
-    return int(host.effective_memory_bytes * (1.0 - config.footprint.safety_margin))
+    """What the job may take on ``host`` (:func:`allowance`); None without host facts."""
+    return None if host is None else allowance(config, host)[0]
 
 
 def _lever_for(

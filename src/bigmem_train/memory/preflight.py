@@ -1,7 +1,8 @@
 """Preflight: read the host and refuse, in seconds, a plan the planner expects to be killed.
 
-Available memory is the smaller of MemAvailable (which already leaves out static hugepages: TensorFlow's
-allocator cannot use them) and the cgroup limit; ``footprint.safety_margin`` of it is kept free. Swap is
+What a job may take is MemAvailable (which already leaves out static hugepages: TensorFlow's allocator
+cannot use them) less ``footprint.safety_margin``, and under a cgroup limit at most what keeps a run at the
+edge of its plan's promise under the memory guard's share of the limit (``plan.allowance``). Swap is
 reported but not counted: a training step that pages is a step that never ends.
 """
 
@@ -11,22 +12,22 @@ from bigmem_train.errors import DoesNotFit
 from bigmem_train.host import HostFacts
 from bigmem_train.memory import constants, layers
 from bigmem_train.memory.levers import levers_to_fit
-from bigmem_train.memory.plan import JobPlan
+from bigmem_train.memory.plan import JobPlan, allowance
 from bigmem_train.memory.sizing import largest_batch, largest_shape
 from bigmem_train.sizes import format_bytes
 
 
 def usable_bytes(plan: JobPlan, host: HostFacts) -> int:
-    """What the job may take: available memory (capped by the cgroup limit) less the safety margin; when
-    the plan binds to one node, that node's available memory less the margin."""
-    margin = plan.config.footprint.safety_margin
-    available = host.effective_memory_bytes
+    """What the job may take (:func:`~bigmem_train.memory.plan.allowance`: available memory less the safety
+    margin, under a cgroup limit what keeps the plan's promise under the memory guard); when the plan binds
+    to one node, at most that node's available memory less the margin."""
+    usable = allowance(plan.config, host)[0]
     if plan.placement.policy == "bind":
         nodes = {node.node_id: node for node in host.numa_nodes}
         node_available = sum(nodes[n].memory_available_bytes for n in plan.placement.nodes if n in nodes)
         if node_available:
-            available = min(available, node_available)
-    return int(available * (1.0 - margin))
+            usable = min(usable, int(node_available * (1.0 - plan.config.footprint.safety_margin)))
+    return usable
 
 
 def largest_fitting(plan: JobPlan, limit_bytes: int) -> tuple[int, tuple[int, int, int] | None]:
@@ -44,12 +45,9 @@ def check_fits(plan: JobPlan, host: HostFacts) -> None:
     usable = usable_bytes(plan, host)
     if plan.peak_bytes <= usable:
         return
-    margin = plan.config.footprint.safety_margin
-    parts = [
-        f"predicted peak {format_bytes(plan.peak_bytes)} exceeds {format_bytes(usable)} usable "
-        f"({host.limit_in_force} {format_bytes(host.effective_memory_bytes)} less the {margin:.0%} safety margin)",
-    ]
-    if host.cgroup_limit_bytes:
+    why = allowance(plan.config, host)[1]
+    parts = [f"predicted peak {format_bytes(plan.peak_bytes)} exceeds {format_bytes(usable)} usable ({why})"]
+    if host.cgroup_limit_bytes and "cgroup" not in why:
         parts.append(f"cgroup v{host.cgroup_version} limit {format_bytes(host.cgroup_limit_bytes)}")
     if host.static_hugepages_bytes:
         parts.append(f"{format_bytes(host.static_hugepages_bytes)} held by static hugepages")

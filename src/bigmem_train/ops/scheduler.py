@@ -77,10 +77,11 @@ def check_time(text: str) -> str:
 
 
 def mem_request_mib(plan: JobPlan) -> int:
-    """``#SBATCH --mem`` in MiB: the plan's envelope peak with the coverage it promises (no run more than
-    PLAN_COVERAGE above it), rounded up: under memory enforcement a run that ends within its plan's promise
-    must not be killed."""
-    return math.ceil(plan.peak_bytes * (1 + PLAN_COVERAGE) / MIB)
+    """``#SBATCH --mem`` in MiB: the smallest limit under which a run that keeps its plan's promise (it ends at
+    most PLAN_COVERAGE above the plan) is stopped neither by the cgroup nor by the kit's memory guard (which
+    trips at ``guard.threshold`` of the limit), rounded up. It is the inverse of the preflight's allowance
+    under a cgroup limit (memory.plan.allowance): a job given its request passes its own preflight."""
+    return math.ceil(plan.peak_bytes * (1 + PLAN_COVERAGE) / plan.config.guard.threshold / MIB)
 
 
 def _slurm(command: Sequence[str], stdin: str | None = None, unknown: str | None = None) -> str:
@@ -243,13 +244,14 @@ def _mountable(path: Path, what: str) -> str:
     return str(path)
 
 
-def image_command(flags: RunFlags, config: Config, image: str, cpus: int) -> str:
+def image_command(flags: RunFlags, config: Config, image: str, cpus: int, mem_mib: int) -> str:
     """The job's `docker run` with ``--image``: ``bigmem-train remote start``'s (hardened, the job's user, no
     network), in the foreground, removed when it ends, tini as its PID 1 (it passes SIGTERM on, and the exit
     code back); the results folder at /results, the config file at /config/job.yaml and the dataset the
     config names at /data, read-only; the job's CPUs as its --cpus. The container is Docker's child, not the
-    job's, so Slurm's cgroup does not hold it; it gets no --memory: a limit of the job's --mem would leave the
-    preflight's safety margin below the plan, and the job would refuse itself (exit 3)."""
+    job's, so Slurm's cgroup does not hold it: its own cgroup does, with the job's --mem (``mem_mib``) as its
+    --memory and no swap beyond it, the limit the job's preflight and memory guard then read as they would
+    Slurm's."""
     from bigmem_train.ops.hosts import JOB_NAME
     from bigmem_train.ops.remote import docker_run_command
 
@@ -268,7 +270,8 @@ def image_command(flags: RunFlags, config: Config, image: str, cpus: int) -> str
         run_flags += ["--set", text]
     if flags.target:
         run_flags += ["--target", flags.target]
-    options = ["--rm", "--init", "--cpus", str(cpus)]
+    memory = f"{mem_mib}m"
+    options = ["--rm", "--init", "--cpus", str(cpus), "--memory", memory, "--memory-swap", memory]
     # numactl binds memory and cores on a node of several NUMA nodes, which the script finds there ($numa).
     options.append("${numa:+--cap-add SYS_NICE}")
     for name in _SLURM_VARIABLES:
@@ -397,7 +400,7 @@ def submit_job(
     run_name = config.output.run_name
     cpus = _cpus_for(config.runtime.intra_op_threads, host.physical_cores, partition)
     if image:
-        command = image_command(flags, config, image, cpus)
+        command = image_command(flags, config, image, cpus, mem_request_mib(plan))
     else:
         command = venv_command(flags)
     script = batch_script(
