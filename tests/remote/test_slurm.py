@@ -224,7 +224,8 @@ def _containers(name: str) -> list[str]:
 @pytest.mark.docker
 def test_a_job_submitted_with_image_runs_in_the_container_and_passes(slurm_cluster, bigmem_image, tmp_path):
     """--image: the batch script runs the job in the kit's image (the suite's own build) on the node, its
-    results folder mounted at /results; the job ends COMPLETED, exit 0, verdict PASS, its container removed."""
+    results folder mounted at /results, held to the job's --mem by its own cgroup; the job ends COMPLETED,
+    exit 0, verdict PASS, its container removed."""
     job = write_tiny_job(tmp_path / "job.yaml")
     done = submit(slurm_cluster, job, "img-1", "--image", bigmem_image, "--time", "10:00")
     assert done.returncode == 0, done.stderr
@@ -238,6 +239,8 @@ def test_a_job_submitted_with_image_runs_in_the_container_and_passes(slurm_clust
     state = json.loads((run_dir / "state.json").read_text())
     # It ran in a container, and kept Slurm's record of the job (the variables the script passes in).
     assert container_id(state) and state["slurm"]["job_id"] == job_id, state
+    # Docker's cgroup held it to the job's --mem (Slurm's cgroup does not see a container's processes).
+    assert state["cgroup"]["limit_bytes"] == _request_mib(job) * 2**20, state["cgroup"]
     assert "bigmem-train: run directory /results/img-1" in log.read_text(), log.read_text()[-3000:]
     assert _containers("img-1") == []
     status = bigmem_train(slurm_cluster, tmp_path, "slurm", "status", "img-1").stdout.splitlines()
