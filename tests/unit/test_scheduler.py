@@ -35,7 +35,8 @@ def _plan(job, overrides=None):
 
 
 class StandInSlurm:
-    """A stand-in for sinfo and sbatch: one partition with nodes of ``memory_mib``; records every call."""
+    """A stand-in for sinfo and sbatch: one partition of ``nodes`` nodes of ``memory_mib`` (or of the
+    ``node_memories`` given, one per node); records every call."""
 
     def __init__(
         self,
@@ -45,20 +46,26 @@ class StandInSlurm:
         job_id: str = "4242",
         nodes: int = 2,
         images: tuple[str, ...] = (),
+        node_memories: tuple[int, ...] | None = None,
     ):
         self.memory_mib, self.partition, self.cpus, self.job_id = memory_mib, partition, cpus, job_id
-        self.nodes, self.images = nodes, images
+        self.node_memories = node_memories or (memory_mib,) * nodes
+        self.images = images
         self.calls: list[list[str]] = []
         self.scripts: list[str] = []
 
     def __call__(self, command, **options):
         self.calls.append(command)
         if command[0] == "sinfo":
-            lines = (
-                f"{self.partition}*\n"  # sinfo marks the default partition
-                if command[-1] == "%P"
-                else f"{self.partition}* {self.memory_mib} {self.cpus} {self.nodes}\n"
-            )
+            if command[-1] == "%P":
+                lines = f"{self.partition}*\n"  # sinfo marks the default partition
+            else:
+                assert command[:5] == ["sinfo", "-h", "-N", "-o", "%N %P %m %c"], command
+                # sinfo -N: a line per node, its name, partition, RealMemory and CPUs.
+                lines = "".join(
+                    f"node{index} {self.partition}* {memory} {self.cpus}\n"
+                    for index, memory in enumerate(self.node_memories, 1)
+                )
             if "-p" in command and command[command.index("-p") + 1] != self.partition:
                 lines = ""
             return subprocess.CompletedProcess(command, 0, lines, "")
@@ -139,6 +146,41 @@ def test_a_plan_larger_than_the_partitions_nodes_does_not_fit(tiny, tmp_path, mo
     assert f"--mem={request}M) does not fit partition bigmem" in err
     assert f"RealMemory {request - 1}M" in err
     assert all(call[0] != "sbatch" for call in stand_in.calls)
+
+
+def test_a_partition_of_unequal_nodes_holds_a_job_where_enough_of_its_nodes_do(
+    tiny, tmp_path, monkeypatch, capsys
+):
+    """A partition of one large and one small node: a one-node job fits (Slurm starts it on the large one), a
+    two-node job does not (it would wait for ever for a second node that can hold one worker), and with two
+    large nodes of three it fits."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    one = math.ceil(_plan(tiny).peak_bytes * 1.03 / 0.97 / 2**20)
+    unequal = StandInSlurm(memory_mib=0, node_memories=(one, one - 1))
+    monkeypatch.setattr(scheduler, "run_client", unequal)
+    assert main(["submit", "--config", str(tiny), "--run-name", "u1", "--dry-run"]) == 0
+    capsys.readouterr()
+    # Two workers: each node is asked for one worker's plan; make the small node too small for that too.
+    argv = ["submit", "--config", str(tiny), "--set", "training.strategy=multi_worker", "--nodes", "2"]
+    two_workers = '{"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}'
+    monkeypatch.setenv("TF_CONFIG", two_workers)
+    worker = math.ceil(_plan(tiny, {"training.strategy": "multi_worker"}).peak_bytes * 1.03 / 0.97 / 2**20)
+    monkeypatch.delenv("TF_CONFIG")
+    small = StandInSlurm(memory_mib=0, node_memories=(worker, worker - 1))
+    monkeypatch.setattr(scheduler, "run_client", small)
+    assert main([*argv, "--run-name", "u2"]) == 3
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        f"bigmem-train: error: the plan ({err.split('the plan (')[1].split(', --mem')[0]}, --mem={worker}M per "
+        f"node) fits 1 of partition bigmem's 2 nodes, and --nodes 2 needs 2 (RealMemory of its nodes: "
+        f"{worker}M, {worker - 1}M)"
+    ]
+    assert all(call[0] != "sbatch" for call in small.calls)
+    monkeypatch.setattr(
+        scheduler, "run_client", StandInSlurm(memory_mib=0, node_memories=(worker, 1, worker))
+    )
+    assert main([*argv, "--run-name", "u3", "--dry-run"]) == 0
 
 
 def test_a_plan_of_exactly_the_nodes_memory_fits(tiny, tmp_path, monkeypatch):

@@ -159,9 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     submit = sub.add_parser(
         "submit",
         help="submit the job to Slurm with its plan as the memory request",
-        description="Plan the job, refuse it (exit 3) when it exceeds the memory of the partition's largest "
-        "node (sinfo RealMemory), render templates/slurm_job.sh.j2 with --mem set to the plan's envelope "
-        "peak plus the 3 % a run may end above it, and submit it with sbatch; prints the job id. A "
+        description="Plan the job, refuse it (exit 3) when fewer than --nodes of the partition's nodes can hold "
+        "it (sinfo RealMemory), render templates/slurm_job.sh.j2 with --mem set to the plan's envelope "
+        "peak plus the 3 % a run may end above it, over the memory guard's threshold (guard.threshold), and "
+        "submit it with sbatch; prints the job id. A "
         "training.strategy multi_worker job runs on --nodes N nodes, one worker each started by srun, --mem "
         "one worker's plan. See docs/guides/slurm.md.",
     )

@@ -1,9 +1,10 @@
 """Slurm: submit a planned job with its plan as the memory request (``bigmem-train submit``).
 
 The batch script is rendered from ``templates/slurm_job.sh.j2``; ``#SBATCH --mem`` is the plan's envelope
-peak with the 3 % it promises no run passes, rounded up to MiB, so the scheduler places the job only where
-that much memory is free and runs the next job beside it only when both fit. A plan larger than the
-partition's nodes (``sinfo`` RealMemory) is refused before anything is submitted.
+peak with the 3 % it promises no run passes, over the memory guard's share of a limit, rounded up to MiB
+(:func:`mem_request_mib`), so the scheduler places the job only where that much memory is free and runs the
+next job beside it only when both fit. A job fewer than its --nodes of the partition's nodes can hold
+(``sinfo -N`` RealMemory) is refused before anything is submitted.
 
 A ``training.strategy: multi_worker`` job on N nodes asks for N nodes, one task each, and ``--mem`` the plan
 of one worker (its share of the global batch); ``srun`` starts the workers, and each builds its TF_CONFIG
@@ -58,12 +59,23 @@ def run_client(command: list[str], **options) -> subprocess.CompletedProcess:
 
 @dataclass(frozen=True)
 class Partition:
-    """A partition as ``sinfo`` shows it: its largest node's memory (RealMemory, MiB) and CPUs."""
+    """A partition as ``sinfo -N`` shows it: each node's memory (RealMemory, MiB), and its largest node's CPUs."""
 
     name: str
-    node_memory_mib: int
+    node_memories_mib: tuple[int, ...]
     cpus_per_node: int
-    nodes: int
+
+    @property
+    def node_memory_mib(self) -> int:
+        return max(self.node_memories_mib)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.node_memories_mib)
+
+    def nodes_holding(self, request_mib: int) -> int:
+        """How many of its nodes have at least ``request_mib`` of RealMemory."""
+        return sum(memory >= request_mib for memory in self.node_memories_mib)
 
 
 def check_time(text: str) -> str:
@@ -106,28 +118,29 @@ def _slurm(command: Sequence[str], stdin: str | None = None, unknown: str | None
 
 
 def read_partition(name: str | None) -> Partition:
-    """The partition ``name`` (default: the cluster's default partition) from ``sinfo``."""
-    command = ["sinfo", "-h", "-o", "%P %m %c %D"]
+    """The partition ``name`` (default: the cluster's default partition) from ``sinfo``, node by node."""
+    command = ["sinfo", "-h", "-N", "-o", "%N %P %m %c"]
     if name:
         command += ["-p", name]
     lines = [line.split() for line in _slurm(command).splitlines() if line.strip()]
-    if name:
-        rows = [row for row in lines if row[0].rstrip("*") == name]
-        if not rows:
-            raise BadInput(f"--partition {name}: no such partition (sinfo shows: {_names()})")
-    else:
-        rows = [row for row in lines if row[0].endswith("*")]
-        if not rows:
-            raise BadInput("no default partition in this cluster: name one with --partition")
     try:
-        # A line per node state; "4000+" when the nodes of one line differ. The largest node decides
-        # whether the job can run at all.
-        memory = max(int(row[1].rstrip("+")) for row in rows)
-        cpus = max(int(row[2].rstrip("+")) for row in rows)
-        nodes = sum(int(row[3]) for row in rows)
+        if name:
+            rows = [row for row in lines if row[1].rstrip("*") == name]
+            if not rows:
+                raise BadInput(f"--partition {name}: no such partition (sinfo shows: {_names()})")
+        else:
+            rows = [row for row in lines if row[1].endswith("*")]
+            if not rows:
+                raise BadInput("no default partition in this cluster: name one with --partition")
+        # A line per node (and per partition it is in); a node is counted once.
+        nodes = {row[0]: (int(row[2]), int(row[3])) for row in rows}
     except (IndexError, ValueError):
-        raise BadInput(f"sinfo: unexpected output {' | '.join(' '.join(row) for row in rows)!r}") from None
-    return Partition(rows[0][0].rstrip("*"), memory, cpus, nodes)
+        raise BadInput(f"sinfo: unexpected output {' | '.join(' '.join(row) for row in lines)!r}") from None
+    return Partition(
+        rows[0][1].rstrip("*"),
+        tuple(memory for memory, _ in nodes.values()),
+        max(cpus for _, cpus in nodes.values()),
+    )
 
 
 def _names() -> str:
@@ -158,15 +171,24 @@ def check_nodes_in_partition(nodes: int, partition: Partition) -> None:
         raise BadInput(f"--nodes {nodes}: partition {partition.name} has {partition.nodes} node(s)")
 
 
-def check_fits_partition(plan: JobPlan, partition: Partition) -> None:
-    """DoesNotFit (exit 3) when the plan's memory request exceeds the partition's largest node."""
+def check_fits_partition(plan: JobPlan, partition: Partition, nodes: int = 1) -> None:
+    """DoesNotFit (exit 3) when fewer than ``nodes`` of the partition's nodes can hold the plan's memory request
+    (per node): Slurm would keep the job waiting for ever. A partition of unequal nodes may hold it on some."""
     request = mem_request_mib(plan)
-    if request > partition.node_memory_mib:
+    holding = partition.nodes_holding(request)
+    if holding >= nodes:
+        return
+    if holding == 0:
         raise DoesNotFit(
             f"the plan ({format_bytes(plan.peak_bytes)}, --mem={request}M) does not fit partition "
             f"{partition.name}: its largest node has RealMemory {partition.node_memory_mib}M "
             f"({format_bytes(partition.node_memory_mib * MIB)})"
         )
+    raise DoesNotFit(
+        f"the plan ({format_bytes(plan.peak_bytes)}, --mem={request}M per node) fits {holding} of partition "
+        f"{partition.name}'s {partition.nodes} nodes, and --nodes {nodes} needs {nodes} (RealMemory of its "
+        f"nodes: {', '.join(f'{memory}M' for memory in sorted(partition.node_memories_mib, reverse=True))})"
+    )
 
 
 def bigmem_train_executable() -> Path:
@@ -395,7 +417,7 @@ def submit_job(
     # A multi_worker job is planned per node, as one of its workers.
     multi_worker = config.training.strategy == "multi_worker"
     plan = plan_job(config, host, to_run_here=False, workers=nodes if multi_worker else None)
-    check_fits_partition(plan, partition)
+    check_fits_partition(plan, partition, nodes)
     results = Path(config.output.results_dir).resolve()
     run_name = config.output.run_name
     cpus = _cpus_for(config.runtime.intra_op_threads, host.physical_cores, partition)
