@@ -82,6 +82,9 @@ def test_run_sized_to_a_target_peaks_within_tolerance(tmp_path: Path):
     # The plan is the upper envelope of the job's runs (at most 3 % above it), sized under target / 1.03:
     # the run does not pass the target. Below, it may end a few % more than its calibration runs did
     # (plan.json expected_range), so its plan criterion (the bound the scored runs support) judges that.
-    assert measured <= recorded["expected_range"]["high_bytes"]
+    # Constants fitted without a range of their runs (the Xeon's, the one a CPU without a file of its own
+    # gets) record none: there the bound is the plan's 3 % coverage.
+    high = (recorded["expected_range"] or {}).get("high_bytes", recorded["peak_bytes"] * 1.03)
+    assert measured <= high
     assert measured <= plan["target_bytes"]
     assert next(c for c in verdict["criteria"] if c["name"] == "plan")["passed"], verdict

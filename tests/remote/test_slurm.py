@@ -443,6 +443,33 @@ def test_a_multi_worker_job_on_two_nodes_runs_a_worker_on_each_and_passes(
     )
 
 
+def test_a_multi_worker_job_that_fails_validation_ends_failed_and_is_not_trained_again(
+    slurm_cluster_two_nodes, tmp_path
+):
+    """Two workers, a Dice floor no run reaches: both train to the end, the chief's verdict fails, and the
+    job ends FAILED with ExitCode 1:0 (srun passes the worst task's code on). Submitted again under its name it
+    is refused by the run itself (the run finished; exit 2 in the log), not trained again."""
+    cluster = slurm_cluster_two_nodes
+    job = write_tiny_job(tmp_path / "job.yaml", epochs=1, strategy="multi_worker", cases=12)
+    floor = ["--nodes", "2", "--set", "validation.dice_floor=1.0"]
+    done = submit(cluster, job, "two-fails", *floor)
+    assert done.returncode == 0, done.stderr
+    job_id = done.stdout.strip()
+    ended = wait_for(cluster, job_id, SLURM_ENDED, 240)
+    text = (tmp_path / "results" / f"two-fails.slurm-{job_id}.out").read_text()
+    assert (ended["JobState"], ended["ExitCode"], ended["NumNodes"]) == ("FAILED", "1:0", "2"), text[-4000:]
+    chief = tmp_path / "results" / "two-fails"
+    assert json.loads((chief / "verdict.json").read_text())["verdict"] == "FAIL"
+    assert re.search(r"(?m)^1: TRAINED ", text), text[-4000:]
+    again = submit(cluster, job, "two-fails", *floor)
+    assert again.returncode == 0, again.stderr
+    second = again.stdout.strip()
+    ended = wait_for(cluster, second, SLURM_ENDED, 240)
+    text = (tmp_path / "results" / f"two-fails.slurm-{second}.out").read_text()
+    assert (ended["JobState"], ended["ExitCode"]) == ("FAILED", "2:0"), text[-4000:]
+    assert "already finished; choose another --run-name" in text, text[-4000:]
+
+
 def test_each_task_of_a_two_node_step_gets_its_own_tf_config(slurm_cluster_two_nodes, tmp_path):
     """`slurm tf-config` in each task of `srun --nodes 2 --ntasks-per-node 1`: the same cluster, the nodes at
     their NodeAddr and one port from the job id, and the task's own index."""
