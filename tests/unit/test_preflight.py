@@ -162,7 +162,8 @@ def test_the_allowance_under_a_cgroup_limit_keeps_the_plans_promise_under_the_gu
     assert plan_allowance(stricter, container)[0] == int(8 * GIB * 0.9 / 1.03)
     # Where the host has less available than that, its available memory less the margin decides.
     crowded = dataclasses.replace(container, memory_available_bytes=6 * GIB)
-    usable, why = plan_allowance(config, crowded)
+    usable, why, by_cgroup = plan_allowance(config, crowded)
+    assert not by_cgroup and plan_allowance(config, container).by_cgroup
     assert usable == int(6 * GIB * 0.9) and "MemAvailable" in why and "10% safety margin" in why
     no_cgroup = dataclasses.replace(container, cgroup_limit_bytes=None)
     assert plan_allowance(config, no_cgroup)[0] == int(container.memory_available_bytes * 0.9)

@@ -102,7 +102,7 @@ def preflight_command(config: Config, as_json: bool) -> int:
         print(format_host(host))
         print(
             f"plan: peak {format_bytes(plan.peak_bytes)}, usable {format_bytes(usable)} "
-            f"({allowance(plan.config, host)[1]}); placement {plan.placement.policy}"
+            f"({allowance(plan.config, host).why}); placement {plan.placement.policy}"
         )
     check_fits(plan, host)
     if not as_json:

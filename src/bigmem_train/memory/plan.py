@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from bigmem_train.config import Config
 from bigmem_train.errors import BadInput, DoesNotFit
@@ -288,7 +288,7 @@ def _refuse_target_beyond_host(config: Config, host: HostFacts, target: int) -> 
         return
     raise DoesNotFit(
         f"footprint.target {format_bytes(target)} does not fit this host: {format_bytes(usable)} usable "
-        f"({allowance(config, host)[1]}); set a target of at most {format_bytes(usable)}"
+        f"({allowance(config, host).why}); set a target of at most {format_bytes(usable)}"
     )
 
 
@@ -316,7 +316,15 @@ def _unreachable_target(config, sized, table, calibration, workers, peak, target
     )
 
 
-def allowance(config: Config, host: HostFacts) -> tuple[int, str]:
+class Allowance(NamedTuple):
+    """What a job may take (``bytes``), why in words, and whether a cgroup limit decided it."""
+
+    bytes: int
+    why: str
+    by_cgroup: bool
+
+
+def allowance(config: Config, host: HostFacts) -> Allowance:
     """What a job may take on ``host``, and why, in words: the host's available memory less
     ``footprint.safety_margin`` (room for the OS and everything else on the host); under a cgroup limit (a
     scheduler's ``--mem``, ``docker run --memory``: the job's own allowance, with nothing else in it) at most
@@ -330,18 +338,22 @@ def allowance(config: Config, host: HostFacts) -> tuple[int, str]:
     if limit:
         held = int(limit * config.guard.threshold / (1 + PLAN_COVERAGE))
         if held <= room:
-            return held, (
+            return Allowance(
+                held,
                 f"the cgroup v{host.cgroup_version} memory limit {format_bytes(limit)}, less what keeps a run "
-                f"{PLAN_COVERAGE:.0%} above its plan under the memory guard's {config.guard.threshold:.0%} of it"
+                f"{PLAN_COVERAGE:.0%} above its plan under the memory guard's {config.guard.threshold:.0%} of it",
+                True,
             )
-    return room, (
-        f"the host's available memory (MemAvailable) {format_bytes(available)} less the {margin:.0%} safety margin"
+    return Allowance(
+        room,
+        f"the host's available memory (MemAvailable) {format_bytes(available)} less the {margin:.0%} safety margin",
+        False,
     )
 
 
 def _host_limit(config: Config, host: HostFacts | None) -> int | None:
     """What the job may take on ``host`` (:func:`allowance`); None without host facts."""
-    return None if host is None else allowance(config, host)[0]
+    return None if host is None else allowance(config, host).bytes
 
 
 def _lever_for(

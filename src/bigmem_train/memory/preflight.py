@@ -21,7 +21,7 @@ def usable_bytes(plan: JobPlan, host: HostFacts) -> int:
     """What the job may take (:func:`~bigmem_train.memory.plan.allowance`: available memory less the safety
     margin, under a cgroup limit what keeps the plan's promise under the memory guard); when the plan binds
     to one node, at most that node's available memory less the margin."""
-    usable = allowance(plan.config, host)[0]
+    usable = allowance(plan.config, host).bytes
     if plan.placement.policy == "bind":
         nodes = {node.node_id: node for node in host.numa_nodes}
         node_available = sum(nodes[n].memory_available_bytes for n in plan.placement.nodes if n in nodes)
@@ -45,9 +45,11 @@ def check_fits(plan: JobPlan, host: HostFacts) -> None:
     usable = usable_bytes(plan, host)
     if plan.peak_bytes <= usable:
         return
-    why = allowance(plan.config, host)[1]
-    parts = [f"predicted peak {format_bytes(plan.peak_bytes)} exceeds {format_bytes(usable)} usable ({why})"]
-    if host.cgroup_limit_bytes and "cgroup" not in why:
+    allowed = allowance(plan.config, host)
+    parts = [
+        f"predicted peak {format_bytes(plan.peak_bytes)} exceeds {format_bytes(usable)} usable ({allowed.why})"
+    ]
+    if host.cgroup_limit_bytes and not allowed.by_cgroup:
         parts.append(f"cgroup v{host.cgroup_version} limit {format_bytes(host.cgroup_limit_bytes)}")
     if host.static_hugepages_bytes:
         parts.append(f"{format_bytes(host.static_hugepages_bytes)} held by static hugepages")
