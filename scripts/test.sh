@@ -43,7 +43,7 @@ stream() {
     local name=$1 niceness=$2
     shift 2
     set +e +o pipefail
-    nice -n "$niceness" "${pytest[@]}" --basetemp="$workdir/$name" "$@" 2>&1 | sed -u "s/^/[$name] /"
+    nice -n "$niceness" "${pytest[@]}" --basetemp="$workdir/$name" "$@" 2>&1 | tee "$workdir/$name.log" | sed -u "s/^/[$name] /"
     echo "${PIPESTATUS[0]}" >"$workdir/$name.rc"
 }
 
@@ -61,9 +61,11 @@ stream main 10 --ignore=tests/lab &
 main=$!
 wait "$main" "$lab" "$bmc"
 
+# The streams' lines interleave and a CI log keeps only its tail: each stream's outcome again, at the end.
 status=0
 for name in main lab bmc; do
     rc=$(cat "$workdir/$name.rc" 2>/dev/null || echo 1)
+    grep -E '^(FAILED|ERROR) |^=+ .*[0-9.]+s( \([0-9:]+\))? =+$' "$workdir/$name.log" 2>/dev/null | cut -c1-400 | sed "s/^/test.sh: [$name] /"
     echo "test.sh: $name stream exited $rc"
     # 5 is pytest's "no tests collected" (e.g. a checkout without tests/lab): not a failure.
     if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then status=1; fi
