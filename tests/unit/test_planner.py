@@ -1112,3 +1112,68 @@ def test_plan_states_the_range_its_runs_end_in(tables):
     assert JobPlan.from_dict(plan.config, plan.to_dict()).expected_range == plan.expected_range
     # Constants fitted before ranges were recorded state none.
     assert plan_job(study(), host=None, calibration=CALIBRATION).to_dict()["expected_range"] is None
+
+
+def test_plan_json_is_read_back_as_written_and_an_older_file_reads_with_its_defaults():
+    """plan.json is the plan a run judges itself by (validate, remote and slurm status, the report read it
+    back): every field a plan can carry survives the file, under the names those readers use; a file
+    written before the optional fields existed reads with the values a plan without them has."""
+    config = study(**{"training.batch_size": 4, "training.strategy": "multi_worker"})
+    plan = JobPlan(
+        config=config,
+        peak_bytes=10 * GIB,
+        breakdown={"runtime_baseline": 3 * GIB, "activations": 7 * GIB},
+        target_bytes=12 * GIB,
+        placement=Placement("interleave", [0, 1], [0, 1, 2, 3], "spans both nodes", all_memory_nodes=True),
+        original_batch_size=16,
+        original_input_shape=(240, 240, 144),
+        calibration_source="calibration.avx512+bf16.json",
+        calibration_warning="fitted on another CPU",
+        workers=2,
+        lever="model.recompute: true",
+        file_backed_calibrated_bytes=300 * 2**20,
+        file_backed_measured_bytes=350 * 2**20,
+        expected_range={"kind": "plain", "below": [0.01, 0.05], "runs": 12, "coverage": 0.03},
+    )
+    written = json.loads(json.dumps(plan.to_dict()))
+    assert JobPlan.from_dict(config, written) == plan
+    # The names and values the readers use, written out by hand.
+    assert written["workers"] == 2 and written["batch_size_per_worker"] == 2 and written["batch_size"] == 4
+    assert (
+        written["peak_gib"] == 10.0 and written["target_bytes"] == 12 * GIB and written["target_gib"] == 12.0
+    )
+    assert written["input_shape"] == list(config.data.input_shape)
+    assert written["original_batch_size"] == 16 and written["original_input_shape"] == [240, 240, 144]
+    assert written["precision"] == "float32" and written["recompute"] is False
+    assert written["breakdown"]["activations"] == {"bytes": 7 * GIB, "gib": 7.0}
+    assert written["placement"]["numactl"] == ["numactl", "--interleave=all"]
+    assert written["calibration"] == "calibration.avx512+bf16.json"
+    assert written["calibration_warning"] == "fitted on another CPU"
+    assert written["lever"] == "model.recompute: true"
+    assert written["runtime_file_backed"] == {"calibrated_bytes": 300 * 2**20, "measured_bytes": 350 * 2**20}
+    # 1 % to 5 % below the plan, 3 % above it at most: 9.5 and 10.3 GiB.
+    expected = written["expected_range"]
+    assert (expected["low_bytes"], expected["high_bytes"]) == (int(10 * GIB * 0.95), int(10 * GIB * 1.03))
+    assert (expected["low_gib"], expected["high_gib"]) == (9.5, 10.3)
+    assert expected["below"] == [0.01, 0.05] and expected["kind"] == "plain"
+
+    no_target = dataclasses.replace(plan, target_bytes=None, expected_range=None).to_dict()
+    assert no_target["target_gib"] is None and no_target["expected_range"] is None
+
+    older = {
+        key: written[key] for key in ("peak_bytes", "breakdown", "placement", "batch_size", "input_shape")
+    }
+    read = JobPlan.from_dict(config, older)
+    assert (read.workers, read.original_batch_size, read.original_input_shape) == (1, 0, (0, 0, 0))
+    assert (read.calibration_source, read.calibration_warning, read.lever, read.target_bytes) == (
+        "",
+        None,
+        None,
+        None,
+    )
+    assert (read.file_backed_calibrated_bytes, read.file_backed_measured_bytes, read.expected_range) == (
+        None,
+        None,
+        None,
+    )
+    assert read.placement == plan.placement and read.breakdown == plan.breakdown
