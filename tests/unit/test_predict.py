@@ -410,3 +410,35 @@ def test_predict_reports_openvinos_conversion_beside_its_plan(run_dir, tmp_path,
     assert 0.3 * 2**30 < first["peak_rss_bytes"] < first["planned_peak_bytes"]
     again = predict(PredictRequest(source, cases, tmp_path / "again", engine="openvino"))["conversion"]
     assert again == {"planned_peak_bytes": first["planned_peak_bytes"], "cached": True}
+
+
+@pytest.mark.parametrize(
+    ("target", "expected", "capped"),
+    [
+        (None, 18 * 2**30, False),  # 20 GiB available less 10 %
+        ("8GiB", 8 * 2**30, False),
+        ("50%", 12 * 2**30, False),  # of the host's 24 GiB
+        ("80%", 18 * 2**30, True),  # 19.2 GiB asked, 18 usable: a ceiling, planned within the usable memory
+        ("30GiB", 18 * 2**30, True),
+    ],
+)
+def test_a_target_is_a_ceiling_and_one_above_the_usable_memory_plans_within_it(
+    monkeypatch, capsys, target, expected, capped
+):
+    """``predict --target`` bounds the plan; a target the host cannot give today (others hold the memory)
+    plans within the usable memory and says so instead of refusing a prediction that fits."""
+    import types
+
+    from bigmem_train.infer import predict as predict_module
+
+    host = types.SimpleNamespace(effective_memory_bytes=20 * 2**30, limit_total_bytes=24 * 2**30)
+    monkeypatch.setattr(predict_module, "read_host_facts", lambda: host)
+    limit, why = predict_module.limit_for(target, 0.10)
+    assert limit == expected
+    said = capsys.readouterr().err
+    assert ("planning within the usable memory" in said) is capped, said
+    assert ("less than --target" in why) is capped, why
+    if target and not capped:
+        assert why == f"--target {target}"
+    with pytest.raises(BadInput, match="--target 0GiB"):
+        predict_module.limit_for("0GiB", 0.10)

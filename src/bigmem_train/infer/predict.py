@@ -118,7 +118,10 @@ def check_images(cases: list[ImageCase]) -> None:
 
 def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
     """The memory a prediction may plan for: the host's available memory (capped by a cgroup limit) less
-    the job's safety margin, or ``--target`` (a size or a share of the host) when it is no more than that."""
+    the job's safety margin, or ``--target`` (a size or a share of the host) when it is no more than that.
+    A ``--target`` above the usable memory is a ceiling the host cannot give today (other processes hold
+    the rest): the prediction plans within the usable memory and says so, as it would without a target;
+    only a volume that cannot fit even in tiles is refused (plan_cases)."""
     host = read_host_facts()
     available = host.effective_memory_bytes
     usable = int(available * (1.0 - safety_margin))
@@ -131,10 +134,17 @@ def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
     if limit <= 0:
         raise BadInput(f"--target {target}: give a size above 0, e.g. 8GiB or 50%")
     if limit > usable:
-        raise DoesNotFit(
-            f"--target {target} ({format_bytes(limit)}) is more than this host's usable memory "
-            f"{format_bytes(usable)} ({format_bytes(available)} less the {safety_margin:.0%} safety margin)"
+        why = (
+            f"usable memory ({format_bytes(available)} less {safety_margin:.0%}), less than --target {target} "
+            f"({format_bytes(limit)})"
         )
+        print(
+            f"bigmem-train: --target {target} ({format_bytes(limit)}) is more than this host's usable memory "
+            f"{format_bytes(usable)} ({format_bytes(available)} available less the {safety_margin:.0%} safety "
+            "margin): planning within the usable memory",
+            file=sys.stderr,
+        )
+        return usable, why
     return limit, f"--target {target}"
 
 
