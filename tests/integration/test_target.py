@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from bigmem_train.host import read_host_facts
+from bigmem_train.memory.constants import CROSS_CPU_SPREAD, PLAN_COVERAGE, load_calibration
+
 from .conftest import bigmem
 
 pytestmark = pytest.mark.slow
@@ -84,7 +87,15 @@ def test_run_sized_to_a_target_peaks_within_tolerance(tmp_path: Path):
     # (plan.json expected_range), so its plan criterion (the bound the scored runs support) judges that.
     # Constants fitted without a range of their runs (the Xeon's, the one a CPU without a file of its own
     # gets) record none: there the bound is the plan's 3 % coverage.
-    high = (recorded["expected_range"] or {}).get("high_bytes", recorded["peak_bytes"] * 1.03)
+    high = (recorded["expected_range"] or {}).get("high_bytes", recorded["peak_bytes"] * (1 + PLAN_COVERAGE))
+    target = plan["target_bytes"]
+    if other_cpu := load_calibration().cpu_mismatch(read_host_facts()):
+        # Constants fitted on another class of CPU (CI's 2-core EPYC without AVX-512 has no file of its own):
+        # the plan warns that a job can peak CROSS_CPU_SPREAD apart there, and promises no more. Seen: this
+        # job 1.5 % below its plan on one such machine and 5.1 % above it (2.64 GiB, plan 2.51) on another.
+        assert other_cpu in (recorded["calibration_warning"] or ""), recorded["calibration_warning"]
+        high = recorded["peak_bytes"] * (1 + CROSS_CPU_SPREAD)
+        target *= 1 + CROSS_CPU_SPREAD
     assert measured <= high
-    assert measured <= plan["target_bytes"]
+    assert measured <= target
     assert next(c for c in verdict["criteria"] if c["name"] == "plan")["passed"], verdict
