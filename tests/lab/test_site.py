@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.common import REPO_ROOT
+from tests.fixtures.common import REPO_ROOT, local_training_jobs
 from tests.fixtures.doc_blocks import WHERE, all_blocks, strip_comment
 from tests.fixtures.lab import SYSTEM_NAME, TIMEOUT_SCALE, lab_cache_dir
 
@@ -283,9 +283,13 @@ def site(lab_vm, lab_bmc, docker_for_demo, tmp_path_factory):
         """``command`` and, where the demo host has a Docker daemon, `--limit demo` at the same time."""
         from concurrent.futures import ThreadPoolExecutor
 
+        def demo_play() -> PlaybookRun:
+            with local_training_jobs():  # the other test sessions' train-role jobs on this machine's daemon
+                return play(DEMO, f"{step}-demo")
+
         with ThreadPoolExecutor(2) as pool:
             server = pool.submit(play, command, step)
-            local = pool.submit(play, DEMO, f"{step}-demo") if demo else None
+            local = pool.submit(demo_play) if demo else None
             return server.result(), local.result() if local else None
 
     # The blocks' other lines (setup, venv, the inventory edit, the secrets), each once, as written.
@@ -531,9 +535,10 @@ def _running_jobs() -> list[tuple[str, str]]:
     return [tuple(line.split()) for line in listed.stdout.splitlines() if line.strip()]
 
 
-def test_rerun_while_a_job_runs_reports_it_and_leaves_it_running(site):
+def test_rerun_while_a_job_runs_reports_it_and_leaves_it_running(site, local_training_jobs_alone):
     """A play is still waiting for a (longer) job; a second play for the same host must not kill it: it
-    reports the running job, starts nothing next to it and succeeds; the first play then gets its PASS."""
+    reports the running job, starts nothing next to it and succeeds; the first play then gets its PASS.
+    (The host is this machine's Docker daemon: no other test session's train-role job runs meanwhile.)"""
     if site["docker_skip"]:
         pytest.skip(f"image and job roles not run: {site['docker_skip']}")
     assert site["third"] is not None, "an earlier converge failed"

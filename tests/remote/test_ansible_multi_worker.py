@@ -31,7 +31,7 @@ from tests.fixtures.doc_blocks import ANSIBLE_MULTI_WORKER, WHERE, Block, all_bl
 
 from .test_multi_worker import assert_trained_in_lockstep
 
-pytestmark = [pytest.mark.slow, pytest.mark.docker]
+pytestmark = [pytest.mark.slow, pytest.mark.docker, pytest.mark.usefixtures("local_training_jobs_alone")]
 
 REPO = Path(__file__).resolve().parents[2]
 ANSIBLE_PLAYBOOK = Path(sys.executable).parent / "ansible-playbook"

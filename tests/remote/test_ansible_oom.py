@@ -31,7 +31,7 @@ __all__ = ["ansible_playbook"]
 
 UID = 10001
 # Builds the image and trains in a container.
-pytestmark = [pytest.mark.docker, pytest.mark.slow]
+pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.usefixtures("local_training_jobs_alone")]
 
 
 def test_train_role_names_an_oom_kill(tmp_path, bigmem_image, ansible_playbook):
