@@ -157,7 +157,7 @@ class Calibration:
             return None
         return (
             f"fitted on a {fitted_model} ({fitted_isa or 'ISA unknown'}), this host has a {host.cpu_model} "
-            f"({host.cpu_isa}): the same job can peak {CROSS_CPU_SPREAD:.0%} apart on two CPUs; rerun "
+            f"({host.cpu_isa}): the same job can peak {CROSS_CPU_SPREAD * 100:.0f} % apart on two CPUs; rerun "
             "`bigmem-train plan --calibrate` on this host"
         )
 
