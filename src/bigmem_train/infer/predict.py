@@ -125,8 +125,9 @@ def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
     host = read_host_facts()
     available = host.effective_memory_bytes
     usable = int(available * (1.0 - safety_margin))
+    usable_why = f"usable memory ({format_bytes(available)} less {safety_margin:.0%})"
     if not target:
-        return usable, f"usable memory ({format_bytes(available)} less {safety_margin:.0%})"
+        return usable, usable_why
     try:
         limit = parse_size(target, host.limit_total_bytes)
     except BadInput as error:
@@ -134,17 +135,13 @@ def limit_for(target: str | None, safety_margin: float) -> tuple[int, str]:
     if limit <= 0:
         raise BadInput(f"--target {target}: give a size above 0, e.g. 8GiB or 50%")
     if limit > usable:
-        why = (
-            f"usable memory ({format_bytes(available)} less {safety_margin:.0%}), less than --target {target} "
-            f"({format_bytes(limit)})"
-        )
         print(
             f"bigmem-train: --target {target} ({format_bytes(limit)}) is more than this host's usable memory "
             f"{format_bytes(usable)} ({format_bytes(available)} available less the {safety_margin:.0%} safety "
             "margin): planning within the usable memory",
             file=sys.stderr,
         )
-        return usable, why
+        return usable, f"{usable_why}, less than --target {target} ({format_bytes(limit)})"
     return limit, f"--target {target}"
 
 
