@@ -85,6 +85,13 @@ for unit in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.tim
   ln -sf /dev/null "$rootfs/etc/systemd/system/$unit"
 done
 
+# Lab only, not a server's setting: Python keeps the code it compiles for modules imported from zip
+# archives (Ansible's AnsiballZ payloads compile ansible.module_utils afresh on every task, a quarter of a
+# task's time under emulation). tests/lab/guest/zipimport_cache.py says how; .pth lines run at startup.
+install -d -m 0755 "$rootfs/var/cache/lab-zipimport"
+install -m 0644 "$(dirname "$0")/guest/zipimport_cache.py" "$rootfs/usr/lib/python3/dist-packages/lab_zipimport_cache.py"
+echo "import lab_zipimport_cache" >"$rootfs/usr/lib/python3/dist-packages/lab_zipimport_cache.pth"
+
 chroot "$rootfs" useradd -m -s /bin/bash -G sudo "$user"
 echo "$user ALL=(ALL) NOPASSWD:ALL" >"$rootfs/etc/sudoers.d/$user"
 chmod 0440 "$rootfs/etc/sudoers.d/$user"
