@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
-pytest=(.venv/bin/python -m pytest -ra --durations=25)
+pytest=(.venv/bin/python -m pytest -ra --durations=60)
 
 if [ "$#" -gt 0 ] || [ "${BIGMEM_TEST_PARALLEL:-1}" = 0 ]; then
     exec "${pytest[@]}" "$@"
