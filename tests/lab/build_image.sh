@@ -80,6 +80,10 @@ ln -sf /lib/systemd/system/systemd-networkd.service \
 # The engine is installed but off, as on a server the docker_engine role has not run on yet: the
 # role enables and starts it (and boots under emulation stay short until then).
 chroot "$rootfs" systemctl disable --quiet docker.service docker.socket containerd.service
+# Drivers the VM has no device or use for, loaded at every boot by udev (each boot under emulation waited
+# on them): virtualization, wireless regulatory, PC speaker, floppy, the pc machine's IDE controller.
+printf 'blacklist %s\n' kvm_amd kvm_intel kvm cfg80211 pcspkr floppy ata_piix ata_generic joydev \
+  >"$rootfs/etc/modprobe.d/lab-unused.conf"
 # Timers that would compete for the emulated CPU during a test.
 for unit in apt-daily.timer apt-daily-upgrade.timer e2scrub_all.timer fstrim.timer; do
   ln -sf /dev/null "$rootfs/etc/systemd/system/$unit"
