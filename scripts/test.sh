@@ -6,8 +6,8 @@
 #
 # Without arguments the suite runs as three pytest sessions side by side, each line prefixed with its
 # stream: [lab] is tests/lab (the QEMU VM, one emulation thread, much of its time spent waiting on the
-# VM's boots, apt and SSH) but the BIOS role's tests, [bmc] those (the Redfish emulator alone), [main]
-# everything else. They share one Docker daemon, started here and
+# VM's boots, apt and SSH) but the BIOS role's tests, [bmc] those (the Redfish emulator alone) and then
+# tests/unit, [main] everything else. They share one Docker daemon, started here and
 # stopped by PID at the end, and one image (tests/fixtures/docker_daemon.py builds it under a lock).
 # BIGMEM_TEST_PARALLEL=0 runs the whole suite as one session instead.
 set -euo pipefail
@@ -51,13 +51,15 @@ stream() {
 # stream runs at nice 10; containers it starts run under the Docker daemon, unchanged), and its waits get
 # room for the time the other streams still take from it. The BIOS role's tests need only the Redfish
 # emulator, not the VM: they run as a third stream [bmc] from the start, not ahead of the VM's (on a 2-core
-# machine without AVX-512 they took 28 minutes of the lab stream's 95).
+# machine without AVX-512 they took 28 minutes of the lab stream's 95), and the unit tests after them, at
+# the main stream's nice level: [main] (the image, training, the remote tests) was the longest stream, 75
+# minutes cold on that machine, with the BIOS stream done after 40.
 export BIGMEM_LAB_TIMEOUT_SCALE=${BIGMEM_LAB_TIMEOUT_SCALE:-2}
 stream lab 0 tests/lab --ignore=tests/lab/test_bios_role.py &
 lab=$!
-stream bmc 5 tests/lab/test_bios_role.py &
+stream bmc 10 tests/lab/test_bios_role.py tests/unit &
 bmc=$!
-stream main 10 --ignore=tests/lab &
+stream main 10 --ignore=tests/lab --ignore=tests/unit &
 main=$!
 wait "$main" "$lab" "$bmc"
 
