@@ -5,7 +5,7 @@
 # run it as one session.
 #
 # Without arguments the suite runs as four pytest sessions side by side, each line prefixed with its
-# stream (below: [lab], [lab2], [bmc], [main]). They share one Docker daemon, started here and
+# stream (below: [lab], [sched], [bmc], [main]). They share one Docker daemon, started here and
 # stopped by PID at the end, and one image (tests/fixtures/docker_daemon.py builds it under a lock).
 # BIGMEM_TEST_PARALLEL=0 runs the whole suite as one session instead.
 set -euo pipefail
@@ -45,30 +45,29 @@ stream() {
     echo "${PIPESTATUS[0]}" >"$workdir/$name.rc"
 }
 
-# Four streams, as the cold runs on a 2-core EPYC without AVX-512 (CI's class) found their lengths:
-# [lab] the lab VM (its disk, the Redfish reset, site.yml's converges and checks): a chain of waits on
-#   one emulation thread, so it gets the cores first (nice 0);
-# [lab2] a second lab VM for the Slurm role's plays (13 minutes at the lab's end when they shared the
-#   VM), then the tests that mostly wait on other processes: two TensorFlow workers and their heartbeat
-#   timeouts, the Slurm clusters' queues;
-# [bmc] the BIOS role against the Redfish emulator alone (40 minutes), then the unit tests;
-# [main] the rest: the image, training, the container, Fabric and Ansible tests.
+# Four streams, as cold runs on a 2-core EPYC without AVX-512 (CI's class) found their lengths:
+# [lab] the lab VM (its disk, the Redfish reset, site.yml's converges and checks, the Slurm role): a
+#   chain of waits on one emulation thread, so it gets the cores first (nice 0);
+# [sched] the tests that mostly wait on other processes: two TensorFlow workers and their heartbeat
+#   timeouts, the Slurm clusters' queues (nice 5);
+# [bmc] the BIOS role against the Redfish emulator alone (40 minutes), then the unit tests (nice 10);
+# [main] the rest: the image, training, the container, Fabric and Ansible tests (nice 10).
 # Containers run under the Docker daemon, at its nice level, not their stream's.
 export BIGMEM_LAB_TIMEOUT_SCALE=${BIGMEM_LAB_TIMEOUT_SCALE:-2}
-stream lab 0 tests/lab --ignore=tests/lab/test_bios_role.py --ignore=tests/lab/test_slurm_role.py &
+stream lab 0 tests/lab --ignore=tests/lab/test_bios_role.py &
 lab=$!
-stream lab2 5 tests/lab/test_slurm_role.py tests/remote/test_multi_worker.py tests/remote/test_slurm.py &
-lab2=$!
+stream sched 5 tests/remote/test_multi_worker.py tests/remote/test_slurm.py &
+sched=$!
 stream bmc 10 tests/lab/test_bios_role.py tests/unit &
 bmc=$!
 stream main 10 --ignore=tests/lab --ignore=tests/unit --ignore=tests/remote/test_multi_worker.py \
     --ignore=tests/remote/test_slurm.py &
 main=$!
-wait "$main" "$lab" "$lab2" "$bmc"
+wait "$main" "$lab" "$sched" "$bmc"
 
 # The streams' lines interleave and a CI log keeps only its tail: each stream's outcome again, at the end.
 status=0
-for name in main lab lab2 bmc; do
+for name in main lab sched bmc; do
     rc=$(cat "$workdir/$name.rc" 2>/dev/null || echo 1)
     grep -E '^(FAILED|ERROR) |^=+ .*[0-9.]+s( \([0-9:]+\))? =+$' "$workdir/$name.log" 2>/dev/null | cut -c1-400 | sed "s/^/test.sh: [$name] /"
     echo "test.sh: $name stream exited $rc"
