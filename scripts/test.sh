@@ -9,6 +9,7 @@
 # stopped by PID at the end, and one image (tests/fixtures/docker_daemon.py builds it under a lock).
 # BIGMEM_TEST_PARALLEL=0 runs the whole suite as one session instead.
 set -euo pipefail
+started=$(date +%s)
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 pytest=(.venv/bin/python -m pytest -ra --durations=60)
@@ -43,34 +44,52 @@ stream() {
     set +e +o pipefail
     nice -n "$niceness" "${pytest[@]}" --basetemp="$workdir/$name" "$@" 2>&1 | tee "$workdir/$name.log" | sed -u "s/^/[$name] /"
     echo "${PIPESTATUS[0]}" >"$workdir/$name.rc"
+    date +%s >"$workdir/$name.end"
 }
 
 # Four streams, as cold runs on a 2-core EPYC without AVX-512 (CI's class) found their lengths:
 # [lab] the lab VM (its disk, the Redfish reset, site.yml's converges and checks, the Slurm role): a
 #   chain of waits on one emulation thread, so it gets the cores first (nice 0);
 # [sched] the tests that mostly wait on other processes: two TensorFlow workers and their heartbeat
-#   timeouts, the Slurm clusters' queues (nice 5);
+#   timeouts, the Slurm clusters' queues (nice 10);
 # [bmc] the BIOS role against the Redfish emulator alone (40 minutes), then the unit tests (nice 10);
-# [main] the rest: the image, training, the container, Fabric and Ansible tests (nice 10).
+# [main] the rest: the image, training, the container, Fabric and Ansible tests: the most work, so it
+#   comes next after the lab (nice 5).
 # Containers run under the Docker daemon, at its nice level, not their stream's.
 export BIGMEM_LAB_TIMEOUT_SCALE=${BIGMEM_LAB_TIMEOUT_SCALE:-2}
 stream lab 0 tests/lab --ignore=tests/lab/test_bios_role.py &
 lab=$!
-stream sched 5 tests/remote/test_multi_worker.py tests/remote/test_slurm.py &
+stream sched 10 tests/remote/test_multi_worker.py tests/remote/test_slurm.py &
 sched=$!
 stream bmc 10 tests/lab/test_bios_role.py tests/unit &
 bmc=$!
-stream main 10 --ignore=tests/lab --ignore=tests/unit --ignore=tests/remote/test_multi_worker.py \
+stream main 5 --ignore=tests/lab --ignore=tests/unit --ignore=tests/remote/test_multi_worker.py \
     --ignore=tests/remote/test_slurm.py &
 main=$!
+# CI stops a job at 90 minutes and keeps no log of it. Before that, interrupt the streams still running:
+# pytest then prints what it was running, its summary and its slowest tests, so the log says where the
+# time went. BIGMEM_TEST_DEADLINE_MIN=0 waits for them however long they take.
+deadline=${BIGMEM_TEST_DEADLINE_MIN:-87}
+watchdog=
+if [ "$deadline" != 0 ]; then
+    (
+        left=$((deadline * 60 - ($(date +%s) - started)))
+        sleep "$((left > 1 ? left : 1))"
+        echo "test.sh: $deadline minutes since the start: interrupting the streams still running" >&2
+        pkill -INT -f -- "--basetemp=$workdir/" || true
+    ) &
+    watchdog=$!
+fi
 wait "$main" "$lab" "$sched" "$bmc"
+if [ -n "$watchdog" ]; then kill "$watchdog" 2>/dev/null || true; fi
 
 # The streams' lines interleave and a CI log keeps only its tail: each stream's outcome again, at the end.
 status=0
 for name in main lab sched bmc; do
     rc=$(cat "$workdir/$name.rc" 2>/dev/null || echo 1)
     grep -E '^(FAILED|ERROR) |^=+ .*[0-9.]+s( \([0-9:]+\))? =+$' "$workdir/$name.log" 2>/dev/null | cut -c1-400 | sed "s/^/test.sh: [$name] /"
-    echo "test.sh: $name stream exited $rc"
+    took=$(($(cat "$workdir/$name.end" 2>/dev/null || date +%s) - started))
+    printf 'test.sh: %s stream exited %s, %d:%02d after the start\n' "$name" "$rc" $((took / 60)) $((took % 60))
     # 5 is pytest's "no tests collected" (e.g. a checkout without tests/lab): not a failure.
     if [ "$rc" != 0 ] && [ "$rc" != 5 ]; then status=1; fi
 done

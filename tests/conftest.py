@@ -12,3 +12,13 @@ pytest_plugins = [
     "tests.fixtures.slurm",
     "tests.fixtures.sshd",
 ]
+
+
+def pytest_configure(config):
+    """scripts/test.sh runs its streams in the background, where bash leaves SIGINT ignored, and interrupts
+    those still running at its deadline with SIGINT, so that each prints its summary and runs its fixtures'
+    teardown: take SIGINT back as Python's KeyboardInterrupt."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
