@@ -111,7 +111,7 @@ def stall_worker_after_first_epoch(tmp_path, processes, seconds):
     """Stop worker 1 (SIGSTOP: no heartbeats, no steps) once the chief has logged its first epoch, for
     ``seconds``, then let it go on; False when the job ended before its first epoch was logged."""
     history = tmp_path / "w0" / "mw" / "history.csv"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + 900
     while not (history.exists() and len(history.read_text().splitlines()) >= 2):
         if time.monotonic() > deadline or any(process.poll() is not None for process in processes):
             return False
