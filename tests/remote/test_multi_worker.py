@@ -149,7 +149,12 @@ def test_a_stalled_worker_stops_the_job_only_past_the_heartbeat_timeout(tmp_path
             "bigmem-train: error: multi-worker job stopped: worker 1 (127.0.0.1:" in logs["w0"]
             and "sent no heartbeat for 5 s (training.worker_heartbeat_timeout)" in logs["w0"]
         ), report
-        assert "bigmem-train: error: multi-worker job stopped: this worker lost " in logs["w1"], report
+        # The stalled worker, running again, either finds the chief gone or hears the chief's verdict on it.
+        assert (
+            "bigmem-train: error: multi-worker job stopped: this worker lost " in logs["w1"]
+            or "bigmem-train: error: multi-worker job stopped: this worker, worker 1 (127.0.0.1:"
+            in logs["w1"]
+        ), report
         state = json.loads((tmp_path / "w0" / "mw" / "state.json").read_text())
         assert state["state"] == "failed" and state["error"].startswith(
             "WorkerLost: multi-worker job stopped"

@@ -165,6 +165,16 @@ WORKER_SAW_LATER = (
     "/tensorflow.WorkerService/CompleteInstance:"
 )
 
+# ... or, the silent worker itself once it ran again: the chief's verdict relayed, with gRPC's note naming
+# the chief after it (a loaded CI host, 7 December).
+SILENT_WORKER_SAW = (
+    "Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks are unhealthy "
+    "(stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have crashed. Check the task logs "
+    "for an earlier error.\nThe error could be from a previous operation. Restart your program to reset.\n"
+    "Additional GRPC error information from remote target /job:worker/replica:0/task:0 while calling "
+    "/tensorflow.WorkerService/CompleteInstance:"
+)
+
 
 def test_a_lost_worker_is_one_line_naming_it():
     config = load_config(None, {"training.strategy": "multi_worker", "training.worker_heartbeat_timeout": 30})
@@ -177,5 +187,12 @@ def test_a_lost_worker_is_one_line_naming_it():
     assert "this worker lost the chief, worker 0 (a:1), which holds the coordination service" in str(lost)
     lost = worker_lost(RuntimeError(WORKER_SAW_LATER), config, {"TF_CONFIG": tf_config(1)})
     assert "this worker lost worker 0 (a:1): it stopped, or stopped the job" in str(lost)
+    # Only the listed task went silent, not the chief that gRPC's note names after the list.
+    lost = worker_lost(RuntimeError(SILENT_WORKER_SAW), config, {"TF_CONFIG": tf_config(1)})
+    assert str(lost).startswith(
+        "multi-worker job stopped: this worker, worker 1 (b:2), sent no heartbeat for 30 s"
+    )
+    lost = worker_lost(RuntimeError(SILENT_WORKER_SAW), config, environ)
+    assert str(lost).startswith("multi-worker job stopped: worker 1 (b:2) sent no heartbeat for 30 s")
     assert worker_lost(RuntimeError("Conv3D: out of range"), config, environ) is None
     assert worker_lost(RuntimeError(CHIEF_SAW), load_config(None), environ) is None

@@ -211,6 +211,18 @@ class WorkerLost(BigmemError):
 
 
 _TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
+# The coordination service's list of silent tasks: one task per line after the colon, nothing else (text
+# after it, such as gRPC's "remote target /job:worker/replica:0/task:0", names other tasks).
+_SILENT = re.compile(r"stopped sending heartbeats\):?\s*((?:/job:\w+/replica:\d+/task:\d+\s*)+)")
+
+
+def _own_task(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """This process's (job, index) from TF_CONFIG, or None."""
+    try:
+        task = json.loads((os.environ if environ is None else environ)[TF_CONFIG_ENV])["task"]
+        return str(task["type"]), int(task["index"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _task_name(job: str, index: int, environ: Mapping[str, str] | None = None) -> str:
@@ -239,11 +251,13 @@ def worker_lost(
     text = str(getattr(error, "message", error))
     timeout = f"{config.training.worker_heartbeat_timeout:g} s"
     if "stopped sending heartbeats" in text:
-        silent = _TASK.findall(text.split("stopped sending heartbeats", 1)[1])
-        who = (
-            ", ".join(_task_name(job, int(index), environ) for job, index in dict.fromkeys(silent))
-            or "a worker"
-        )
+        listed = _SILENT.search(text)
+        silent = [(job, int(index)) for job, index in _TASK.findall(listed.group(1) if listed else "")]
+        silent = list(dict.fromkeys(silent))
+        who = ", ".join(_task_name(job, index, environ) for job, index in silent) or "a worker"
+        if _own_task(environ) in silent:
+            # The silent worker itself, once it runs again, hears the chief's verdict on it.
+            who = f"this worker, {who},"
         what = f"{who} sent no heartbeat for {timeout} (training.worker_heartbeat_timeout)"
     elif type(error).__name__ in {"UnavailableError", "AbortedError"} or "Collective ops is aborted" in text:
         remote = re.search(f"remote target {_TASK.pattern}", text)
