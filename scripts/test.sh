@@ -55,9 +55,10 @@ stream() {
 # Four streams, as cold runs on a 2-core EPYC without AVX-512 (CI's class) found their lengths:
 # [lab] the lab VM (its disk, the Redfish reset, site.yml's converges and checks, the Slurm role): a
 #   chain of waits on one emulation thread, so it gets the cores first (nice 0);
-# [sched] the tests that mostly wait on other processes: two TensorFlow workers and their heartbeat
-#   timeouts, the Slurm clusters' queues (nice 10; at nice 5 beside main they slowed the lab's chain by
-#   a sixth, 12 minutes);
+# [sched] the tests that mostly wait on other processes: the train role's two-worker plays (their
+#   containers run at the daemon's priority; first, before the lab's demo-host plays want the same
+#   lock), two TensorFlow workers and their heartbeat timeouts, the Slurm clusters' queues (nice 10; at
+#   nice 5 beside main they slowed the lab's chain by a sixth, 12 minutes);
 # [bmc] the BIOS role against the Redfish emulator alone (35 minutes), the unit tests, then the memory
 #   guard's cgroup tests (their neighbours wait for the guard's verdict, not for a clock) (nice 10);
 # [main] the rest: the image, training, the container, Fabric and Ansible tests: the most work, so it
@@ -66,7 +67,7 @@ stream() {
 export BIGMEM_LAB_TIMEOUT_SCALE=${BIGMEM_LAB_TIMEOUT_SCALE:-2}
 stream lab 0 tests/lab --ignore=tests/lab/test_bios_role.py &
 lab=$!
-waiting=(tests/remote/test_multi_worker.py tests/remote/test_slurm.py)
+waiting=(tests/remote/test_ansible_multi_worker.py tests/remote/test_multi_worker.py tests/remote/test_slurm.py)
 stream sched 10 "${waiting[@]}" &
 sched=$!
 guard=tests/integration/test_memory_guard.py
