@@ -216,15 +216,6 @@ _TASK = re.compile(r"/job:(\w+)/replica:\d+/task:(\d+)")
 _SILENT = re.compile(r"stopped sending heartbeats\):?\s*((?:/job:\w+/replica:\d+/task:\d+\s*)+)")
 
 
-def _own_task(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
-    """This process's (job, index) from TF_CONFIG, or None."""
-    try:
-        task = json.loads((os.environ if environ is None else environ)[TF_CONFIG_ENV])["task"]
-        return str(task["type"]), int(task["index"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def _task_name(job: str, index: int, environ: Mapping[str, str] | None = None) -> str:
     """``worker 1 (10.0.0.12:12345)``: a TensorFlow task as TF_CONFIG names it, with its address."""
     try:
@@ -255,7 +246,8 @@ def worker_lost(
         silent = [(job, int(index)) for job, index in _TASK.findall(listed.group(1) if listed else "")]
         silent = list(dict.fromkeys(silent))
         who = ", ".join(_task_name(job, index, environ) for job, index in silent) or "a worker"
-        if _own_task(environ) in silent:
+        own = read_cluster(environ)  # checked when the job started
+        if own is not None and (own.task_type, own.index) in silent:
             # The silent worker itself, once it runs again, hears the chief's verdict on it.
             who = f"this worker, {who},"
         what = f"{who} sent no heartbeat for {timeout} (training.worker_heartbeat_timeout)"
