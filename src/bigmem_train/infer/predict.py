@@ -22,7 +22,6 @@ import itertools
 import json
 import math
 import os
-import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -54,6 +53,7 @@ from bigmem_train.memory.inference import (
 )
 from bigmem_train.memory.layers import layer_table
 from bigmem_train.sizes import format_bytes, parse_size
+from bigmem_train.train.monitor import peak_rss_bytes
 from bigmem_train.verdict.rundir import write_json
 
 SUMMARY = "predict.json"
@@ -75,11 +75,6 @@ class PredictRequest:
     precision: str = "float32"
     # predict.json's precision fields from that decision (PrecisionChoice.record); None: asked for as is.
     precision_choice: dict | None = None
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def check_outputs(request: PredictRequest) -> None:

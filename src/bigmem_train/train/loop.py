@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from bigmem_train.sizes import format_bytes
 from bigmem_train.train.checkpoints import backup_and_restore, model_checkpoint
 from bigmem_train.train.guard import MemoryGuard, MemoryStopped, guard_callback
 from bigmem_train.train.launch import choose_threads, start_tensorflow
-from bigmem_train.train.monitor import MemoryProbe, MemorySampler, rss_parts
+from bigmem_train.train.monitor import MemoryProbe, MemorySampler, peak_rss_bytes, rss_parts
 from bigmem_train.train.progress import progress_callback
 from bigmem_train.verdict.rundir import (
     read_history,
@@ -313,7 +312,7 @@ def train(
             if lost is None:
                 raise
             raise lost from None
-    session_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    session_peak = peak_rss_bytes()
     extra = {
         **build,
         "intra_op_threads": intra,

@@ -79,6 +79,23 @@ def numa_node_bytes(pid: int | str = "self") -> dict[int, int]:
     return totals
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since its exec: VmHWM of /proc/self/status, the high-water mark of
+    its own address space. Not getrusage's ``ru_maxrss``: the kernel carries that over from the process
+    that started this one (at fork and through exec), so a run started by a large process (a test
+    runner, a notebook, a relaunch) would report that process's peak as its own."""
+    try:
+        with open("/proc/self/status", "rb") as handle:
+            for line in handle:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource  # no /proc (not Linux): the only figure there is
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def rss_bytes(pid: int | str = "self") -> int:
     """Resident set size from /proc/PID/statm: the kernel's counters, no page-table walk."""
     return rss_parts(pid)[0]
