@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -187,6 +186,8 @@ def worker_model(spec: dict) -> dict:
     baseline_rss = PeakSampler.read()[0]
     import tensorflow as tf
 
+    from bigmem_train.train.monitor import peak_rss_bytes
+
     after_import_rss = PeakSampler.read()[0]
     from tensorflow import keras
 
@@ -292,7 +293,7 @@ def worker_model(spec: dict) -> dict:
             "cpu_seconds_per_step": statistics.median(cpus),
             "warmup_seconds": warm,
             "voxels_per_second": batch * shape[0] * shape[1] * shape[2] / median,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),  # VmHWM: this process's own, not its parent's
             "rss_before_import_bytes": baseline_rss,
             "rss_after_import_bytes": after_import_rss,
             "sampled_peak_rss_bytes": sampler.peak_rss,
