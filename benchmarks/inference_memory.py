@@ -2,7 +2,8 @@
 
 Each job (a U-Net and a volume shape, whole or in tiles) runs `bigmem-train predict` on one synthetic
 NIfTI volume in a fresh process with an untrained model of that configuration (weights do not change the
-memory), and compares the process's peak resident set (VmHWM, as predict.json records it) with the plan recorded in predict.json.
+memory), and compares the process's peak resident set (VmHWM, as predict.json records it) with the plan
+recorded in predict.json.
 ``--fit`` refits the two constants of memory/inference.py (runtime baseline, forward factor) by least
 squares on the jobs marked ``fit`` and reports the error on every job, the held-out ones apart.
 
