@@ -242,7 +242,7 @@ def test_a_multi_worker_job_on_two_nodes_runs_one_worker_per_node_with_one_worke
     ]
     assert f"#SBATCH --mem={expected}M" in lines and "#SBATCH --cpus-per-task=3" in lines
     assert plan.startswith("plan: peak ") and "batch 2 over 2 worker(s), 1 per node" in plan
-    srun = script.split("\nexec srun ", 1)[1].replace("\\\n", " ")
+    srun = script.split("\nsrun ", 1)[1].replace("\\\n", " ").split(" || status=$?\n", 1)[0]
     words = shlex.split(srun)
     assert words[:5] == [
         "--nodes=2",
@@ -251,14 +251,78 @@ def test_a_multi_worker_job_on_two_nodes_runs_one_worker_per_node_with_one_worke
         "--kill-on-bad-exit=1",
         "--label",
     ]
-    # bash -c '...' BIGMEM_TRAIN run ...: the worker sets TF_CONFIG from `slurm tf-config`, then execs run.
+    # bash -c '...' BIGMEM_TRAIN run ...: the worker sets TF_CONFIG from `slurm tf-config`, runs the job and
+    # writes its exit code for the script (tests/remote/test_slurm.py runs it on real Slurm).
     assert words[5:7] == ["bash", "-c"] and '"$0" slurm tf-config' in words[7]
+    assert '>"$BIGMEM_EXIT_CODES/$SLURM_PROCID"' in words[7]
     assert words[8] == str(scheduler.bigmem_train_executable()) and words[9] == "run"
     assert words[-4:] == ["--results", str(tmp_path / "results"), "--run-name", "mw"]
     # On one node too, the worker is started by srun with its TF_CONFIG: `run` needs one for multi_worker.
     assert main([*argv, "--dry-run"]) == 0
     one = capsys.readouterr().out
-    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n" in one and "\nexec srun --nodes=1 " in one
+    assert "#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=1\n" in one and "\nsrun --nodes=1 " in one
+
+
+# A stand-in for srun (named as such: no Slurm here; tests/remote/test_slurm.py runs the script on real Slurm):
+# it runs the worker command line of each task in FAKE_ORDER, one after the other, as task SLURM_PROCID, or
+# for a task in FAKE_KILLED does not run it (srun stopped it before it wrote anything), and exits as srun
+# does, with the highest of its tasks' codes (137 for a killed one).
+FAKE_SRUN = """#!/bin/bash
+while [ "$1" != bash ]; do shift; done
+worst=0
+for task in $FAKE_ORDER; do
+  if [[ " $FAKE_KILLED " == *" $task "* ]]; then code=137
+  else SLURM_PROCID=$task "$@"; code=$?
+  fi
+  if [ "$code" -gt "$worst" ]; then worst=$code; fi
+done
+exit "$worst"
+"""
+# A stand-in for bigmem-train: `slurm tf-config` prints a TF_CONFIG, `run` exits with FAKE_CODE_<its index>.
+FAKE_BIGMEM = """#!/bin/bash
+if [ "$1" = slurm ]; then echo '{}'; exit 0; fi
+code=FAKE_CODE_$SLURM_PROCID
+exit "${!code}"
+"""
+
+
+@pytest.mark.parametrize(
+    "order, killed, codes, expected",
+    [
+        # The chief's failed verdict; srun stops worker 1 while it is still leaving (a loaded run: 137:0).
+        ("0 1", "1", {"0": "1"}, 1),
+        # Worker 1 refuses first (bad input) and srun stops the chief before it says anything.
+        ("1 0", "0", {"1": "2"}, 2),
+        ("1 0", "", {"0": "0", "1": "0"}, 0),
+        # Worker 1 leaves first with 0, then the chief does not fit.
+        ("1 0", "", {"0": "3", "1": "0"}, 3),
+    ],
+)
+def test_a_multi_worker_jobs_exit_code_is_the_chiefs_else_the_first_worker_to_end_by_itself(
+    tiny, tmp_path, monkeypatch, capsys, order, killed, codes, expected
+):
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("bigmem-train", FAKE_BIGMEM)):
+        (tools / name).write_text(text)
+        (tools / name).chmod(0o755)
+    monkeypatch.setattr(scheduler, "run_client", StandInSlurm(memory_mib=64 * 1024, nodes=2))
+    monkeypatch.setattr(scheduler, "bigmem_train_executable", lambda: tools / "bigmem-train")
+    monkeypatch.chdir(tmp_path)
+    argv = ["submit", "--config", str(tiny), "--run-name", "mw", "--set", "training.strategy=multi_worker"]
+    assert main([*argv, "--nodes", "2", "--dry-run"]) == 0
+    script = capsys.readouterr().out.rstrip().rsplit("\n", 1)[0]  # less the plan line after it
+    environment = {
+        "PATH": f"{tools}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "77",
+        "FAKE_ORDER": order,
+        "FAKE_KILLED": killed,
+        **{f"FAKE_CODE_{task}": code for task, code in codes.items()},
+    }
+    done = subprocess.run(["bash", "-c", script], env=environment, capture_output=True, text=True, timeout=60)
+    assert done.returncode == expected, done.stderr
+    # The workers' codes were written beside the log, and the script removed them.
+    assert not list((tmp_path / "results").glob(".mw.slurm-exit-*"))
 
 
 def test_a_single_job_on_one_node_keeps_its_one_task_script(tiny, tmp_path, monkeypatch, capsys):

@@ -343,6 +343,8 @@ def batch_script(
             "nodes": nodes,
             "time_limit": time or "",
             "output": str(output),
+            # A folder beside the log for the workers' exit codes (the script appends the job id).
+            "exit_codes": shlex.quote(str(output.parent / f".{job_name}.slurm-exit")),
             "workdir": str(workdir),
             "command": command,
             "container": container or "",
