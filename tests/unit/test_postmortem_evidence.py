@@ -1,0 +1,95 @@
+"""How a run whose process is gone ended, from the evidence this host gathers itself
+(``postmortem.diagnose``): the boot id (a restart), the recorded process (still running, or gone), and for a
+run in a container Docker's State (its OOMKilled flag and exit code). ``docker inspect`` and the host's OOM
+counter are stand-ins here (named as such; the container and OOM tests run them for real, slowly); the
+boot id, the PID namespace and /proc are this machine's own. Written for the mutants that the fast suite let
+live in ``_ending_of_gone_process`` (docs/results/mutation-testing.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bigmem_train.verdict import postmortem
+
+HERE_BOOT = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+HERE_NS = os.readlink("/proc/self/ns/pid")
+
+
+def _start_ticks(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[19])
+
+
+def _state(**fields) -> dict:
+    return {"state": "running", "boot_id": HERE_BOOT, "host_oom_kills": 5, **fields}
+
+
+@pytest.fixture
+def quiet_host(monkeypatch):
+    """The host's OOM kill count has not moved since the run started (5), and no docker CLI answers."""
+    monkeypatch.setattr(postmortem, "host_oom_kills", lambda: 5)
+    monkeypatch.setattr(postmortem, "inspect_container", lambda identifier: None)
+
+
+def test_a_run_recorded_under_another_boot_ended_with_the_restart(tmp_path, quiet_host, monkeypatch):
+    # Even with the recorded PID alive here (this process), a different boot id means the host restarted.
+    state = _state(boot_id="0" * 8, pid=os.getpid(), pid_namespace=HERE_NS)
+    monkeypatch.setattr(postmortem, "host_oom_kills", lambda: 99)  # a new boot's count says nothing
+    ending = postmortem.diagnose(tmp_path, state)
+    assert ending is not None and ending.cause == "rebooted", ending
+    assert "the host restarted while the run was running" in ending.message
+
+
+def test_a_recorded_process_that_still_runs_is_not_diagnosed(tmp_path, quiet_host):
+    pid = os.getpid()
+    state = _state(pid=pid, pid_namespace=HERE_NS, start_ticks=_start_ticks(pid))
+    assert postmortem.diagnose(tmp_path, state) is None
+    # The same PID, started at another time, is another process: the run's is gone.
+    state["start_ticks"] = _start_ticks(pid) + 1
+    ending = postmortem.diagnose(tmp_path, state)
+    assert ending is not None and ending.cause == "unknown", ending
+
+
+def test_a_gone_process_whose_host_oom_count_rose_is_an_oom_kill(tmp_path, quiet_host, monkeypatch):
+    state = _state(pid=2**22 + 1, pid_namespace=HERE_NS)  # above pid_max's default: no such process
+    monkeypatch.setattr(postmortem, "host_oom_kills", lambda: 6)
+    ending = postmortem.diagnose(tmp_path, state)
+    assert ending is not None and ending.cause == "oom", ending
+    assert "went from 5 to 6" in ending.evidence
+
+
+@pytest.mark.parametrize(
+    "docker_state, cause, words",
+    [
+        ({"Running": True, "OOMKilled": False, "ExitCode": 0}, None, None),
+        (
+            {"Running": False, "OOMKilled": True, "ExitCode": 137},
+            "oom",
+            "the container's OOMKilled flag is set",
+        ),
+        ({"Running": False, "OOMKilled": False, "ExitCode": 137}, "killed", "killed by signal 9"),
+        ({"Running": False, "OOMKilled": False, "ExitCode": 143}, "killed", "killed by signal 15"),
+    ],
+)
+def test_a_run_in_a_container_is_judged_by_dockers_state(
+    tmp_path, quiet_host, monkeypatch, docker_state, cause, words
+):
+    # Recorded in another PID namespace (the container's): this host cannot see the process, only Docker can.
+    asked = []
+    monkeypatch.setattr(
+        postmortem, "inspect_container", lambda identifier: asked.append(identifier) or docker_state
+    )
+    state = _state(pid=1, pid_namespace="pid:[1]", container_id="c0ffee" * 8)
+    ending = postmortem.diagnose(tmp_path, state)
+    assert asked == ["c0ffee" * 8]
+    if cause is None:
+        assert ending is None
+        return
+    assert ending is not None and ending.cause == cause, ending
+    assert words in ending.message + " " + ending.evidence
+
+
+def test_another_namespace_without_a_container_cannot_tell(tmp_path, quiet_host):
+    assert postmortem.diagnose(tmp_path, _state(pid=1, pid_namespace="pid:[1]")) is None
