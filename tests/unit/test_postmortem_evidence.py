@@ -93,3 +93,49 @@ def test_a_run_in_a_container_is_judged_by_dockers_state(
 
 def test_another_namespace_without_a_container_cannot_tell(tmp_path, quiet_host):
     assert postmortem.diagnose(tmp_path, _state(pid=1, pid_namespace="pid:[1]")) is None
+
+
+CHILD = (
+    "import json; from bigmem_train.verdict.rundir import process_identity; "
+    "from bigmem_train.verdict.postmortem import _process_alive; "
+    "identity = process_identity(); print(json.dumps([identity, _process_alive(identity)]))"
+)
+
+
+def test_the_recorded_identity_is_this_process_even_with_a_parenthesis_in_its_name(tmp_path):
+    """process_identity's start time is field 22 of /proc/PID/stat, counted after the command name, which
+    may hold ")" and spaces: a Python started under the name "x) 1 2 3" records the start time psutil
+    reads (an independent parser), its host's name and OOM count, and is judged alive by postmortem."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    import psutil
+
+    odd = tmp_path / "x) 1 2 3"
+    odd.symlink_to(sys.executable)
+    vmstat = dict(line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+    # Under another name the interpreter does not find its venv: hand it this process's import path.
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(entry for entry in sys.path if entry)}
+    done = subprocess.run(
+        [str(odd), "-c", CHILD], capture_output=True, text=True, check=True, timeout=120, env=environment
+    )
+    identity, alive = json.loads(done.stdout)
+    assert alive is True
+    assert identity["hostname"] == socket.gethostname()
+    assert identity["host_oom_kills"] == int(vmstat["oom_kill"])
+    assert identity["boot_id"] == HERE_BOOT and identity["pid_namespace"] == HERE_NS
+    ticks = os.sysconf("SC_CLK_TCK")
+    # The child has exited; psutil's reading of its start, done here for a live process of the same name.
+    with subprocess.Popen([str(odd), "-c", "import time; time.sleep(30)"]) as sleeper:
+        try:
+            expected = _start_ticks(sleeper.pid)
+            created = psutil.Process(sleeper.pid).create_time()
+            assert psutil.Process(sleeper.pid).name() == "x) 1 2 3"
+            assert abs(expected / ticks + psutil.boot_time() - created) < 0.05
+        finally:
+            sleeper.kill()
+    # The child's own record: a start time in ticks since boot, after this test began and no later than now.
+    assert isinstance(identity["start_ticks"], int)
+    assert 0 < identity["start_ticks"] <= expected
