@@ -184,7 +184,20 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
     name = config.output.run_name or time.strftime("run-%Y%m%d-%H%M%S")
     run_dir = results / name
     resolved = config.to_yaml()
-    if run_dir.exists():
+    if config.output.run_name is None:
+        # Two unnamed runs started in the same second get folders of their own (mkdir decides, so two
+        # processes cannot both take one); an unnamed run is never a resume.
+        results.mkdir(parents=True, exist_ok=True)
+        suffix = 1
+        while True:
+            try:
+                run_dir.mkdir()
+                break
+            except FileExistsError:
+                suffix += 1
+                run_dir = results / f"{name}-{suffix}"
+        resuming = False
+    elif run_dir.exists():
         state = read_state(run_dir).get("state")
         if state == FINISHED:
             raise BadInput(f"run {run_dir} already finished; choose another --run-name (it is kept as it is)")
@@ -208,12 +221,6 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
             raise BadInput(f"{run_dir} exists and is not a bigmem-train run; choose another --run-name")
         resuming = (run_dir / "backup").exists()
     else:
-        if config.output.run_name is None:
-            # Two runs started in the same second get distinct folders.
-            suffix = 1
-            while run_dir.exists():
-                suffix += 1
-                run_dir = results / f"{name}-{suffix}"
         run_dir.mkdir(parents=True)
         resuming = False
     (run_dir / "config.yaml").write_text(resolved)
