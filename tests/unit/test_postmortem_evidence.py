@@ -139,3 +139,22 @@ def test_the_recorded_identity_is_this_process_even_with_a_parenthesis_in_its_na
     # The child's own record: a start time in ticks since boot, after this test began and no later than now.
     assert isinstance(identity["start_ticks"], int)
     assert 0 < identity["start_ticks"] <= expected
+
+
+@pytest.mark.parametrize("version, name", [(1, "memory.max_usage_in_bytes"), (2, "memory.peak")])
+def test_a_run_killed_before_its_first_sample_is_sized_by_its_cgroups_high_water_mark(
+    tmp_path, quiet_host, version, name
+):
+    """No memory.csv row: the size at the kill is the cgroup's own peak, from the file of its version (a
+    stand-in folder here holds that one file, and the other version's file with another figure)."""
+    folder = tmp_path / "cgroup"
+    folder.mkdir()
+    (folder / name).write_text(f"{3 * 2**30}\n")
+    other = "memory.peak" if version == 1 else "memory.max_usage_in_bytes"
+    (folder / other).write_text(f"{7 * 2**30}\n")
+    state = _state(pid=2**22 + 1, pid_namespace=HERE_NS, cgroup={"version": version, "folder": str(folder)})
+    ending = postmortem.diagnose(tmp_path / "run", state)
+    assert ending is not None and "at about 3.00 GiB" in ending.message, ending
+    (folder / name).write_text("max\n")  # not a figure: said as unknown, not guessed
+    ending = postmortem.diagnose(tmp_path / "run", state)
+    assert ending is not None and "at an unknown size (no memory sample)" in ending.message, ending
