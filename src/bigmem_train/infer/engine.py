@@ -253,11 +253,9 @@ if __name__ == "__main__":
             _convert(Path(sys.argv[2]), Path(sys.argv[3]))
         except BadInput as error:
             sys.exit(f"BadInput: {error}")
-        # The conversion's own peak, for predict.json: VmHWM, the high-water mark of this process's memory
-        # since its exec (getrusage's ru_maxrss keeps the parent's when it is larger).
-        status = Path("/proc/self/status").read_text()
-        peak = next((line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:")), None)
-        if peak is not None:
-            print(f"peak_rss_bytes {int(peak) * 1024}", flush=True)
+        # The conversion's own peak, for predict.json (this process's VmHWM, not its parent's).
+        from bigmem_train.train.monitor import peak_rss_bytes
+
+        print(f"peak_rss_bytes {peak_rss_bytes()}", flush=True)
     else:
         sys.exit("usage: python -m bigmem_train.infer.engine --convert MODEL.keras OUT/model.xml")

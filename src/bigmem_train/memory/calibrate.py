@@ -181,21 +181,6 @@ def measure_run(
     return metrics
 
 
-def status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def reset_peak() -> None:
-    """Reset this process's VmHWM to its current RSS (Linux clear_refs 5), to see each step's own peak."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
 # Mixed-precision jobs (runtime.precision mixed_bfloat16), for their own factor, measured only where the CPU
 # computes bfloat16 natively (levers.native_bf16): elsewhere a bf16 job is emulated, slow, and never offered
 # as a lever. 1.0 to 4.5 GiB, none of them a sweep job.
