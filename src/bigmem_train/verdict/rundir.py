@@ -186,8 +186,7 @@ def prepare_run_dir(config: Config) -> tuple[Path, bool]:
     resolved = config.to_yaml()
     if config.output.run_name is None:
         # Two unnamed runs started in the same second get folders of their own (mkdir decides, so two
-        # processes cannot both take one); an unnamed run is never a resume.
-        results.mkdir(parents=True, exist_ok=True)
+        # processes cannot both take one); an unnamed run is never a resume. ensure_writable made ``results``.
         suffix = 1
         while True:
             try:
