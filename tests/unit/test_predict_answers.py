@@ -149,3 +149,41 @@ def test_a_multiclass_predict_writes_each_voxels_most_probable_class(tmp_path, w
     np.testing.assert_allclose(probabilities.sum(axis=-1), 1.0, atol=1e-5)
     assert probabilities.max(axis=-1).min() > 0.9  # every voxel's class is clear, none a near tie
     assert summary["label_mode"] == "multiclass" and summary["output_classes"] == 4
+
+
+def test_a_tile_weight_that_underflows_is_raised_to_the_smallest_nonzero_weight():
+    # A 256-voxel edge with sigma a twentieth of it (12.8): the edge's outer voxels lie 127.5 / 12.8 = 9.96
+    # sigma from the centre, e**-49.6 per axis, e**-148.8 in the corner: below float32's smallest value
+    # (1.4e-45 = e**-103.3). Such a voxel would add nothing to its weight sum; where one tile alone covers
+    # it, the blend would divide by 0.
+    weights = gaussian_weights((256, 256, 256), sigma_scale=1 / 20)
+    assert (weights > 0).all()
+    exact = np.exp(-0.5 * ((np.arange(256) - 127.5) / 12.8) ** 2)
+    assert np.float32(exact[0] ** 3) == 0  # the corner underflows as float32
+    raised = weights[0, 0, 0]
+    # Raised to the smallest weight that did not underflow, no further: a weight that did not underflow
+    # (one axis at its edge, the others beside the centre) is kept as it was, scaled to a maximum of 1
+    # (the maximum, exact[127]**3, at the eight voxels around the centre).
+    assert raised == weights.min() and np.count_nonzero(weights == raised) > 1
+    np.testing.assert_allclose(weights[0, 127, 127], np.float32(exact[0] / exact[127]), rtol=1e-5)
+    assert raised < weights[0, 127, 127]
+
+
+@pytest.mark.parametrize("window", [(16, 16, 16), (24, 12, 16)])
+def test_tiles_of_unequal_edges_blend_as_cubic_ones_do(window):
+    config = load_config(None, {"model.depth": 2, "model.base_filters": 4, "data.channels": [0]})
+    table = recorded_layer_table("unet_depth3_filters8_float32")
+    shape = (38, 35, 27)
+    noise = np.random.default_rng(1).standard_normal(shape)
+    smooth = ndimage.gaussian_filter(noise, 1.5)
+    image = (smooth / smooth.std()).astype(np.float32)[..., None]
+    expected = 1 / (
+        1 + np.exp(-BOX_STEEPNESS * ndimage.uniform_filter(image[..., 0], BOX_EDGE, mode="constant"))
+    )
+    tiled = plan_volume(config, table, shape, 1, None, window=window)
+    assert tiled.mode == "tiles" and tiled.window == window
+    blended = predict_probabilities(box_sigmoid, image, tiled, tta=False)[..., 0]
+    assert blended.shape == shape
+    error = np.abs(blended - expected)
+    assert error.mean() < 0.002, f"mean error {error.mean():.4f}"
+    assert dice(blended >= 0.5, expected >= 0.5) >= 0.996
