@@ -29,6 +29,7 @@ from bigmem_train.verdict.rundir import (
     read_state,
     set_state,
 )
+from tests.unit.test_run_dir import job  # one small job config, results folder and name as parameters
 
 GIB = 1024**3
 MIB = 1024**2
@@ -281,17 +282,6 @@ def test_process_identity_records_what_postmortem_needs():
 
 
 # --- resuming a run the guard stopped --------------------------------------------------------------
-
-
-def job(tmp_path, **training):
-    return config_from_dict(
-        {
-            "data": {"input_shape": [32, 32, 16]},
-            "model": {"depth": 2},
-            "training": {"batch_size": 4, **training},
-            "output": {"results_dir": str(tmp_path), "run_name": "r"},
-        }
-    )
 
 
 def test_a_run_the_guard_stopped_resumes_with_a_smaller_batch_only(tmp_path):
