@@ -5,6 +5,7 @@ MedPy need it (the ``medpy_binary`` fixture); the rest run without it."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -12,7 +13,17 @@ import pytest
 
 from bigmem_train.cli import main
 from bigmem_train.errors import BadInput
-from bigmem_train.verdict.evaluate import dice, evaluate_folders, hd95, score_case, structures, summarize
+from bigmem_train.verdict.evaluate import (
+    _check_values,
+    _load_volume,
+    _structures_for,
+    dice,
+    evaluate_folders,
+    hd95,
+    score_case,
+    structures,
+    summarize,
+)
 
 
 @pytest.fixture
@@ -243,3 +254,97 @@ def test_a_folder_without_masks_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(BadInput, match="no .nii or .nii.gz masks"):
         evaluate_folders(tmp_path / "empty", tmp_path)
+
+
+# --- what is scored, and which values are refused (gaps 9-13 of docs/results/mutation-testing.md) ---
+
+
+def test_a_label_equal_to_the_class_count_is_refused_and_the_last_class_is_not():
+    paths = (Path("pred.nii.gz"), Path("label.nii.gz"))
+    last, beyond = np.full((2, 2, 2), 3), np.full((2, 2, 2), 4)
+    _check_values(4, False, last, last, paths)  # classes 0..3
+    with pytest.raises(BadInput, match=r"pred.nii.gz: value 4 is not one of the model's 4 classes \(0..3\)"):
+        _check_values(4, False, beyond, last, paths)
+    with pytest.raises(BadInput, match=r"label.nii.gz: value 4 is not one of the model's 4 classes"):
+        _check_values(4, False, last, beyond, paths)
+    # A binary model's mask holds 0 and 1; its label may hold any class (every value above 0 is foreground).
+    _check_values(2, True, np.ones((2, 2, 2)), np.full((2, 2, 2), 3), paths)
+    with pytest.raises(BadInput, match="pred.nii.gz: values above 1 in a binary model's mask"):
+        _check_values(2, True, np.full((2, 2, 2), 2), np.ones((2, 2, 2)), paths)
+
+
+def test_brats_names_and_regions_only_for_four_classes_of_the_decathlons_values():
+    regions = {"whole tumour": (1, 2, 3), "tumour core": (2, 3), "enhancing tumour": (3,)}
+    brats = structures("multiclass", 4, {0, 1, 2, 3})
+    assert brats == {
+        "edema": (1,),
+        "non-enhancing tumour": (2,),
+        "enhancing tumour": (3,),
+        **regions,
+    }
+    assert structures("multiclass", 4, {0, 2}) == brats  # a case without every label is still BraTS
+    # Four classes whose labels are not BraTS': numbered classes, no regions.
+    assert structures("multiclass", 4, {0, 1, 5}) == {"class 1": (1,), "class 2": (2,), "class 3": (3,)}
+    assert structures("multiclass", 3, {0, 1, 2}) == {"class 1": (1,), "class 2": (2,)}
+    assert structures("binary", 4, {0, 1, 2, 3}) == {"foreground": ()}
+    assert structures("multiclass", 1, {0, 1}) == {"foreground": ()}
+
+
+def test_without_predict_json_the_classes_come_from_the_masks_values():
+    zeros = np.zeros((2, 2, 2), np.int32)
+    two = zeros.copy()
+    two[0, 0, 0] = 2
+    one = zeros.copy()
+    one[0, 0, 0] = 1
+    # Values 0..2 in either mask: three classes, each scored on its own.
+    assert _structures_for({}, two, one) == (3, {"class 1": (1,), "class 2": (2,)})
+    assert _structures_for({}, one, two) == (3, {"class 1": (1,), "class 2": (2,)})
+    # Two values or fewer: one foreground.
+    assert _structures_for({}, one, one) == (2, {"foreground": ()})
+    assert _structures_for({}, zeros, zeros) == (2, {"foreground": ()})
+    # predict.json's word wins over the values: its class count, or binary.
+    assert _structures_for({"output_classes": 4}, one, one)[0] == 4
+    assert _structures_for({"label_mode": "binary", "output_classes": 4}, two, two) == (2, {"foreground": ()})
+
+
+def test_pooled_dice_of_cases_that_are_all_empty_is_one():
+    empty = np.zeros((4, 4, 4), np.int32)
+    named = {"foreground": ()}
+    scores = score_case("a", empty, empty, (1.0, 1.0, 1.0), named) + score_case(
+        "b", empty, empty, (1.0, 1.0, 1.0), named
+    )
+    assert summarize(scores, ["foreground"])["summary"]["foreground"]["pooled_dice"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("data", "stored", "expected"),
+    [
+        # A float mask of whole numbers, as some tools save labels: read as class indices.
+        (np.array([0.0, 1.0, 2.0, 3.0]).reshape(1, 2, 2), np.float32, [0, 1, 2, 3]),
+        # A 4D file whose last axis has one entry: read as the 3D volume it is.
+        (np.array([0, 1, 1, 0], np.uint8).reshape(1, 2, 2, 1), np.uint8, [0, 1, 1, 0]),
+    ],
+)
+def test_masks_stored_as_floats_or_with_a_trailing_axis_of_one_read_as_class_indices(
+    tmp_path, data, stored, expected
+):
+    path = tmp_path / "case.nii.gz"
+    nib.save(nib.Nifti1Image(data.astype(stored), np.eye(4)), path)
+    _, volume = _load_volume(path)
+    assert volume.shape == (1, 2, 2) and volume.dtype == np.int32
+    assert volume.ravel().tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ([0.0, 1.0, np.nan, 0.0], "NaN or infinite"),
+        ([0.0, 1.0, 0.5, 0.0], "holds 1 non-integer value"),
+        ([0.0, -1.0, 0.0, 0.0], "holds negative values"),
+    ],
+)
+def test_a_float_mask_that_is_not_class_indices_is_refused(tmp_path, values, message):
+    path = tmp_path / "case.nii.gz"
+    _write(path, np.array(values, np.float32).reshape(1, 2, 2))
+    with pytest.raises(BadInput, match=message):
+        _load_volume(path)
