@@ -368,6 +368,27 @@ def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_
     assert largest_fitting_job(config, None, measured, usable) == (0, None)
 
 
+def test_the_suggestion_is_always_a_smaller_job_and_batch_one_keeps_the_shape(recorded_planner):
+    from bigmem_train.train.guard import largest_fitting_job
+
+    config = config_from_dict({"data": {"input_shape": [128, 128, 128]}, "training": {"batch_size": 8}})
+    shape = (128, 128, 128)
+    planned = recorded_planner(config, 8, shape)
+    usable = 2 * planned
+    allowed = int(usable * 0.97 * 0.9)  # the guard's share (threshold 0.97) less the safety margin (10 %)
+    # Tripped with nothing measured above the share (e.g. by growth): the plan's batch would fit, but the
+    # suggestion must be a smaller job than the one that tripped.
+    assert largest_fitting_job(config, planned, allowed - 1, usable) == (7, None)
+    # Batch 1 fits exactly where batch 2 does not: batch 1 at the same shape, no smaller shape offered.
+    one, two = recorded_planner(config, 1, shape), recorded_planner(config, 2, shape)
+    shift = planned - (one + two) // 2  # the budget, planned - shift, between the two
+    assert largest_fitting_job(config, planned, allowed + shift, usable) == (1, None)
+    # Budget exactly 0 and missing figures: nothing can be said.
+    assert largest_fitting_job(config, planned, allowed + planned, usable) == (0, None)
+    assert largest_fitting_job(config, planned, 0, usable) == (0, None)
+    assert largest_fitting_job(config, planned, allowed + 1, 0) == (0, None)
+
+
 def test_a_guard_stop_killed_on_its_way_out_is_said_whole(tmp_path):
     from bigmem_train.verdict.postmortem import after_memory_stop
 
