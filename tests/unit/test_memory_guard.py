@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,42 @@ def test_guard_threshold_and_over_plan():
     assert guard.check(sample(int(11.5 * GIB), 20 * GIB)) is None
     assert guard.check(sample(int(10.9 * GIB), int(11.5 * GIB))) is None
     assert guard.check(sample(GIB, None)) is None
+
+
+def test_guard_edges_trip_at_the_threshold_and_only_past_the_tolerance_and_the_room():
+    # Figures a binary fraction represents exactly, so each edge is met to the byte.
+    guard = MemoryGuard(threshold=0.5, room=0.5, tolerance=0.25, planned_peak_bytes=4 * GIB, probe=None)
+    assert guard.check(sample(8 * GIB - 1, 16 * GIB)) is None
+    assert guard.check(sample(8 * GIB, 16 * GIB)) == "threshold"  # at the threshold: tripped
+    guard = MemoryGuard(threshold=0.99, room=0.5, tolerance=0.25, planned_peak_bytes=4 * GIB, probe=None)
+    # Over the plan's 5 GiB (4 GiB + 25 %) with less than half of the 8 GiB usable left: tripped; at 5 GiB
+    # exactly, within the tolerance: not.
+    assert guard.check(sample(5 * GIB, 8 * GIB)) is None
+    assert guard.check(sample(5 * GIB + 1, 8 * GIB)) == "over_plan"
+    # Room: 6 GiB of 12 GiB usable leaves exactly half: not tripped, though 50 % over the plan; one byte
+    # more leaves less than half: tripped.
+    assert guard.check(sample(6 * GIB, 12 * GIB)) is None
+    assert guard.check(sample(6 * GIB + 1, 12 * GIB)) == "over_plan"
+
+
+def test_under_the_rss_measure_the_cgroups_charge_does_not_trip_the_guard():
+    # A process without a memory limit is judged by its RSS: the cgroup's charge (page cache of other
+    # processes, say) is no upper bound of it, and the guard neither trips on it nor reads afresh.
+    guard = MemoryGuard(threshold=0.9, room=0.1, tolerance=0.1, planned_peak_bytes=None, probe=None)
+    charged = MemorySample(
+        time.time(),
+        rss_bytes=GIB,
+        charged_bytes=10 * GIB,
+        working_set_bytes=10 * GIB,
+        usable_bytes=10 * GIB,
+        measure="rss",
+    )
+    guard.observe(charged)  # probe=None: a fresh read would raise
+    assert guard.trip is None and guard.peak_measured_bytes == GIB
+    # Its RSS past the threshold trips it on the sample itself: RSS has no stale page-cache figure to renew.
+    guard.observe(replace(charged, rss_bytes=9 * GIB + 1))
+    assert guard.trip is not None and guard.trip.reason == "threshold"
+    assert guard.trip.sample.measured_bytes == 9 * GIB + 1
 
 
 def test_guard_confirms_a_trip_with_fresh_page_cache_figures(tmp_path):
