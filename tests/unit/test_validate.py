@@ -9,7 +9,7 @@ from bigmem_train.cli import main
 from bigmem_train.config import load_config
 from bigmem_train.errors import BadInput
 from bigmem_train.verdict.report import write_report
-from bigmem_train.verdict.validate import evaluate, validate_run
+from bigmem_train.verdict.validate import evaluate, plan_criterion, validate_run
 
 HEADER = "epoch,dice,hard_dice,loss,val_dice,val_hard_dice,val_loss\n"
 
@@ -150,6 +150,22 @@ def test_plan_criterion_takes_the_lower_end_of_the_stated_range(tmp_path):
     criterion = next(c for c in evaluate(run_dir).criteria if c.name == "plan")
     assert criterion.passed, criterion.detail
     assert "ended between 1.0 % above and 25.0 % below their plans in calibration" in criterion.detail
+
+
+def test_plan_criterion_edges_and_the_runtimes_floor():
+    gib, mib = 2**30, 2**20
+    # At most 3 % above the plan: 103 GiB on a 100 GiB plan passes, a byte more fails.
+    assert plan_criterion(100 * gib, 103 * gib, None).passed
+    assert not plan_criterion(100 * gib, 103 * gib + 1, None).passed
+    # Below, down to the stated range's lower end (25 % here, wider than the cost bound's 16.7 %).
+    stated = {"below": [0.0, 0.25], "coverage": 0.03, "cost_bound": 0.12}
+    assert plan_criterion(100 * gib, 75 * gib, stated).passed
+    assert not plan_criterion(100 * gib, 75 * gib - 1, stated).passed
+    # Within 256 MiB either way passes, however large the share (a small job's runtime memory).
+    assert plan_criterion(gib, gib + 256 * mib, None).passed  # 25 % above
+    assert not plan_criterion(gib, gib + 256 * mib + 1, None).passed
+    assert plan_criterion(gib, gib - 256 * mib, None).passed  # 25 % below
+    assert not plan_criterion(gib, gib - 256 * mib - 1, None).passed
 
 
 def test_report_shows_the_planned_breakdown_next_to_the_measured_peak(tmp_path):
