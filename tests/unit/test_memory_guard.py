@@ -402,6 +402,11 @@ def test_the_largest_fit_sheds_what_was_measured_over_the_guards_share(recorded_
     assert batch == 0 and fitting_shape is not None and fitting_shape != shape
     assert all(edge <= limit for edge, limit in zip(fitting_shape, shape))
     assert recorded_planner(config, 1, fitting_shape) + shift <= allowed
+    # The largest at batch 1: one level's step (16 voxels at depth 4) more on any axis does not fit.
+    for axis in range(3):
+        grown = list(fitting_shape)
+        grown[axis] += 16
+        assert grown[axis] > shape[axis] or recorded_planner(config, 1, tuple(grown)) + shift > allowed, axis
     assert largest_fitting_job(config, None, measured, usable) == (0, None)
 
 
