@@ -294,6 +294,34 @@ def test_a_decathlon_folder_predicts_its_test_list(tmp_path):
     assert isinstance(cases[0], ImageCase)
 
 
+def test_a_folder_gives_its_nifti_files_only(tmp_path):
+    _image(tmp_path / "b.nii.gz", (8, 8, 8))
+    _image(tmp_path / "a.nii", (8, 8, 8))
+    (tmp_path / "c.nii.gz").mkdir()  # a folder with an image's name
+    (tmp_path / "notes.txt").write_text("not an image\n")
+    assert [case.name for case in resolve_images([str(tmp_path)])] == ["a", "b"]
+
+
+def test_a_decathlon_training_list_gives_its_entries_images(tmp_path):
+    # The Decathlon's training list holds {"image": ..., "label": ...} entries; the test list plain paths.
+    (tmp_path / "imagesTr").mkdir()
+    _image(tmp_path / "imagesTr" / "BRATS_001.nii.gz", (8, 8, 8))
+    (tmp_path / "dataset.json").write_text(
+        json.dumps(
+            {
+                "training": [
+                    {"image": "./imagesTr/BRATS_001.nii.gz", "label": "./labelsTr/BRATS_001.nii.gz"}
+                ],
+                "test": [],
+            }
+        )
+    )
+    cases = resolve_images([str(tmp_path)], subset="training")
+    assert [(case.name, case.path) for case in cases] == [
+        ("BRATS_001", tmp_path / "imagesTr" / "BRATS_001.nii.gz")
+    ]
+
+
 def test_a_write_killed_halfway_leaves_no_mask_under_its_final_name(run_dir, tmp_path, monkeypatch):
     import bigmem_train.infer.nifti as nifti
 
