@@ -398,6 +398,11 @@ def test_subset_validation_takes_the_runs_own_validation_cases(run_dir, tmp_path
         resolve_images([str(other)], "validation", names)
     with pytest.raises(BadInput, match="needs the run the model was trained in"):
         validation_names(resolve_model(run_dir))
+    # A split.json whose validation list is empty, not a list, or holds what is not a case name.
+    for listed in ([], "c2", ["c2", 4]):
+        (run / "split.json").write_text(json.dumps({"train": ["c1"], "validation": listed}))
+        with pytest.raises(BadInput, match=r"split.json lists no validation cases"):
+            validation_names(source)
 
 
 def test_a_dataset_without_a_test_list_says_what_to_predict_instead(tmp_path):
