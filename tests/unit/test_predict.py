@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import zipfile
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -292,6 +293,48 @@ def test_a_decathlon_folder_predicts_its_test_list(tmp_path):
     with pytest.raises(BadInput, match="lists no 'training' images"):
         resolve_images([str(tmp_path)], subset="training")
     assert isinstance(cases[0], ImageCase)
+
+
+def test_the_model_is_found_as_a_run_or_as_its_checkpoint_file(run_dir, tmp_path):
+    import shutil
+
+    checkpoint = run_dir / "checkpoints" / "best.keras"
+    by_run, by_file = resolve_model(run_dir), resolve_model(checkpoint)
+    # A checkpoint inside a run is read with that run's config.yaml, as the run itself is.
+    assert by_file.model_path == by_run.model_path == checkpoint
+    assert by_file.config_path == by_run.config_path == run_dir / "config.yaml"
+    # JOB: one input channel (data.channels [1]), one output class (binary labels).
+    assert (by_file.input_channels, by_file.output_classes) == (1, 1)
+    # A copy outside any run has no config to go with it unless --config names one.
+    copy = tmp_path / "elsewhere" / "model.keras"
+    copy.parent.mkdir()
+    shutil.copy(checkpoint, copy)
+    (copy.parent / "config.yaml").write_text((run_dir / "config.yaml").read_text())  # not a run's
+    with pytest.raises(BadInput, match="no config.yaml of the run it was trained in; pass --config"):
+        resolve_model(copy)
+    assert resolve_model(copy, run_dir / "config.yaml").config_path == run_dir / "config.yaml"
+
+
+@pytest.mark.parametrize("outputs", [[["out", 0, 0]], ["out", 0, 0]], ids=["list of outputs", "one output"])
+def test_the_saved_networks_shape_is_read_from_its_layers(outputs):
+    from bigmem_train.infer.source import Network, _network
+
+    def layer(class_name, name, **config):
+        return {"class_name": class_name, "config": {"name": name, **config}}
+
+    # A depth-2 U-Net in outline: 3 input channels, 6 base filters, 4 output classes.
+    layers = [
+        layer("InputLayer", "image", batch_shape=[None, None, None, None, 3]),
+        layer("Conv3D", "enc0", filters=6),
+        layer("MaxPooling3D", "pool0"),
+        layer("Conv3D", "enc1", filters=12),
+        layer("MaxPooling3D", "pool1"),
+        layer("Conv3D", "bottom", filters=24),
+        layer("Conv3D", "dec0", filters=6),
+        layer("Conv3D", "out", filters=4),
+    ]
+    model_config = {"config": {"layers": layers, "output_layers": outputs}}
+    assert _network(Path("m.keras"), model_config) == Network(3, 2, 6, 4)
 
 
 def test_a_folder_gives_its_nifti_files_only(tmp_path):
