@@ -1,6 +1,7 @@
 """predict's answers, not only their shapes: the tile weight is nnU-Net's Gaussian (sigma an eighth of the
-tile), tiles of a network that sees its neighbours blend close to the whole volume's answer, and several
-classes become the most probable one.
+tile), tiles of a network that sees its neighbours blend close to the whole volume's answer, mirroring
+(--tta) averages a network over its eight flips, whole and in tiles, and several classes become the most
+probable one.
 
 ``box_sigmoid`` is a stand-in engine with spatial context (a zero-padded box mean, then a steep sigmoid):
 a tile's border voxels miss the neighbours outside it, so how the tiles are weighted shows in the answer.
@@ -187,3 +188,39 @@ def test_tiles_of_unequal_edges_blend_as_cubic_ones_do(window):
     error = np.abs(blended - expected)
     assert error.mean() < 0.002, f"mean error {error.mean():.4f}"
     assert dice(blended >= 0.5, expected >= 0.5) >= 0.996
+
+
+def looks_one_voxel_ahead(volume):
+    """A stand-in network that is not mirror-symmetric: a voxel's probability is the sigmoid of its next
+    neighbour's value along the first axis (zero past the volume it is given)."""
+    ahead = np.zeros_like(volume[0, ..., 0])
+    ahead[:-1] = volume[0, 1:, :, :, 0]
+    return (1 / (1 + np.exp(-4 * ahead)))[None, ..., None].astype(np.float32)
+
+
+def test_mirroring_averages_the_network_over_its_eight_flips_whole_and_in_tiles():
+    config = load_config(None, {"model.depth": 2, "model.base_filters": 4, "data.channels": [0]})
+    table = recorded_layer_table("unet_depth3_filters8_float32")
+    shape = (38, 35, 27)
+    smooth = ndimage.gaussian_filter(np.random.default_rng(2).standard_normal(shape), 1.5)
+    image = (smooth / smooth.std()).astype(np.float32)[..., None]
+    padded = np.pad(image[..., 0], ((1, 1), (0, 0), (0, 0)))  # zeros on both sides along the first axis
+
+    def sigmoid(values):
+        return 1 / (1 + np.exp(-4 * values))
+
+    ahead, behind = sigmoid(padded[2:]), sigmoid(padded[:-2])
+    # Flipping the first axis turns "one ahead" into "one behind"; the other flips change nothing. Four of
+    # the eight flips include the first axis: the mean is half of each.
+    expected = (ahead + behind) / 2
+    whole = plan_volume(config, table, shape, 1, None)
+    plain = predict_probabilities(looks_one_voxel_ahead, image, whole, tta=False)[..., 0]
+    mirrored = predict_probabilities(looks_one_voxel_ahead, image, whole, tta=True)[..., 0]
+    np.testing.assert_allclose(plain, ahead, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(mirrored, expected, rtol=0, atol=1e-6)
+    gap = np.abs(ahead - expected).mean()  # what mirroring changes: 0.13 on this image
+    assert gap > 0.05
+    tiled = plan_volume(config, table, shape, 1, None, window=(16, 16, 16))
+    blended = predict_probabilities(looks_one_voxel_ahead, image, tiled, tta=True)[..., 0]
+    # Tiles miss one neighbour at their borders, which their Gaussian weights make small.
+    assert np.abs(blended - expected).mean() < gap / 10
