@@ -337,6 +337,24 @@ def test_the_saved_networks_shape_is_read_from_its_layers(outputs):
     assert _network(Path("m.keras"), model_config) == Network(3, 2, 6, 4)
 
 
+def test_the_tensorflow_engine_answers_as_the_saved_model_in_inference_mode(run_dir):
+    import keras
+
+    from bigmem_train.infer.engine import TensorFlowEngine
+
+    checkpoint = run_dir / "checkpoints" / "best.keras"
+    volume = np.random.default_rng(4).standard_normal((1, 16, 16, 16, 1)).astype(np.float32)
+    saved = keras.models.load_model(checkpoint, compile=False)
+    reference = np.asarray(saved(volume, training=False))
+    training_mode = np.asarray(saved(volume, training=True))  # batch norm on the batch's own statistics
+    assert np.abs(training_mode - reference).max() > 1e-3  # so the comparison below can tell them apart
+    engine = TensorFlowEngine(checkpoint)
+    np.testing.assert_allclose(engine(volume), reference, rtol=0, atol=1e-6)
+    # Another shape than the saved input's (16^3): the engine rebuilds the network shape-free.
+    other = np.random.default_rng(5).standard_normal((1, 24, 16, 8, 1)).astype(np.float32)
+    assert engine(other).shape == (1, 24, 16, 8, 1)
+
+
 def test_a_folder_gives_its_nifti_files_only(tmp_path):
     _image(tmp_path / "b.nii.gz", (8, 8, 8))
     _image(tmp_path / "a.nii", (8, 8, 8))
