@@ -450,3 +450,27 @@ def test_int8_is_planned_as_float32_and_its_quantization_must_fit(run, tmp_path,
     predict_module.plan_cases(replace(request, target=str(between)))
     with pytest.raises(DoesNotFit, match="one-time int8 quantization"):
         predict_module.plan_cases(replace(request, precision="int8", target=str(between)))
+
+
+def test_int8_is_predicted_by_the_quantized_engine_and_the_others_by_the_saved_model(monkeypatch):
+    from types import SimpleNamespace
+
+    # Stand-ins for the two engine makers, recording what each was asked.
+    calls = []
+    monkeypatch.setattr(
+        int8, "make_int8_engine", lambda source, engine: calls.append(("int8", source, engine))
+    )
+    monkeypatch.setattr(
+        predict_module,
+        "make_engine",
+        lambda name, path, precision: calls.append(("saved", name, path, precision)),
+    )
+    monkeypatch.setattr(predict_module, "resolve_engine", lambda name: f"resolved {name}")
+    source = SimpleNamespace(model_path="run/checkpoints/best.keras")
+    for chosen in ("int8", "bfloat16", "float32"):
+        predict_module.make_predict_engine(SimpleNamespace(precision=chosen, source=source, engine="auto"))
+    assert calls == [
+        ("int8", source, "resolved auto"),
+        ("saved", "auto", "run/checkpoints/best.keras", "bfloat16"),
+        ("saved", "auto", "run/checkpoints/best.keras", "float32"),
+    ]
