@@ -166,9 +166,14 @@ def test_an_interrupted_predict_leaves_nothing_that_looks_finished_and_a_rerun_s
     with pytest.raises(KeyboardInterrupt):
         predict(PredictRequest(source, cases, out), engine=failing_second)
     assert sorted(path.name for path in out.iterdir()) == ["case0.nii.gz", "predict.json"]
+    first = json.loads((out / "predict.json").read_text())["cases"]
+    assert sorted(first) == ["case0"]
     calls.clear()
     predict(PredictRequest(source, cases, out), engine=pointwise_counting(calls))
     assert len(calls) == 2  # case1 and case2 only
+    # predict.json keeps the first run's entry for the case it did not predict again.
+    summary = json.loads((out / "predict.json").read_text())["cases"]
+    assert sorted(summary) == ["case0", "case1", "case2"] and summary["case0"] == first["case0"]
     assert sorted(path.name for path in out.glob("*.nii.gz")) == [
         "case0.nii.gz",
         "case1.nii.gz",
