@@ -166,7 +166,13 @@ def test_an_interrupted_predict_leaves_nothing_that_looks_finished_and_a_rerun_s
     with pytest.raises(KeyboardInterrupt):
         predict(PredictRequest(source, cases, out), engine=failing_second)
     assert sorted(path.name for path in out.iterdir()) == ["case0.nii.gz", "predict.json"]
-    first = json.loads((out / "predict.json").read_text())["cases"]
+    written = json.loads((out / "predict.json").read_text())
+    # What predicted what: evaluate and `remote status` read these.
+    assert written["model"] == str(run_dir / "checkpoints" / "best.keras")
+    assert written["config"] == str(run_dir / "config.yaml")
+    assert (written["label_mode"], written["output_classes"], written["cases_total"]) == ("binary", 1, 3)
+    assert (written["precision"], written["tta"]) == ("float32", False)
+    first = written["cases"]
     assert sorted(first) == ["case0"]
     calls.clear()
     predict(PredictRequest(source, cases, out), engine=pointwise_counting(calls))
