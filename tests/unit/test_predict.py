@@ -360,7 +360,7 @@ def test_the_tensorflow_engine_answers_as_the_saved_model_in_inference_mode(run_
     training_mode = np.asarray(saved(volume, training=True))  # batch norm on the batch's own statistics
     assert np.abs(training_mode - reference).max() > 1e-3  # so the comparison below can tell them apart
     engine = TensorFlowEngine(checkpoint)
-    np.testing.assert_allclose(engine(volume), reference, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(engine(volume), reference, rtol=0, atol=1e-5)  # graph and eager kernels
     # Another shape than the saved input's (16^3): the engine rebuilds the network shape-free.
     other = np.random.default_rng(5).standard_normal((1, 24, 16, 8, 1)).astype(np.float32)
     assert engine(other).shape == (1, 24, 16, 8, 1)
