@@ -547,3 +547,15 @@ def test_a_target_is_a_ceiling_and_one_above_the_usable_memory_plans_within_it(
         assert why == f"--target {target}"
     with pytest.raises(BadInput, match="--target 0GiB"):
         predict_module.limit_for("0GiB", 0.10)
+
+
+def test_an_earlier_predict_json_that_is_not_a_summary_is_started_afresh(tmp_path):
+    from bigmem_train.infer.predict import _read_summary
+
+    path = tmp_path / "predict.json"
+    assert _read_summary(path) == {"cases": {}}  # none yet
+    for text in ('{"model": "m.keras"}', '{"cases": []}', "[1, 2]", "not json"):
+        path.write_text(text)
+        assert _read_summary(path) == {"cases": {}}, text
+    path.write_text('{"model": "m.keras", "cases": {"a": {"peak_bytes": 1}}}')
+    assert _read_summary(path) == {"model": "m.keras", "cases": {"a": {"peak_bytes": 1}}}
