@@ -7,46 +7,34 @@ import pytest
 
 from bigmem_train.config import Config, ModelConfig
 from bigmem_train.memory import flops
+from tests.fixtures.layer_records import layer_row
 
 # The tiny U-Net: depth 1, 2 base filters, 1 input channel, 1 class, at 8x8x8 (512 voxels; 64 below the pool).
 TINY = ModelConfig(depth=1, base_filters=2, batch_norm=False)
 SHAPE = (8, 8, 8)
 
 
-def row(name, kind, inputs, divisor, channels, kernel=(), params=0):
-    return {
-        "name": name,
-        "kind": kind,
-        "inputs": list(inputs),
-        "divisor": [divisor] * 3,
-        "channels": channels,
-        "kernel_size": list(kernel),
-        "trainable_params": params,
-        "non_trainable_params": 0,
-    }
-
-
 def tiny_table(folded: bool) -> list[dict]:
     """The tiny U-Net's layer table as memory.layers records it (ReLUs only where a layer reads them)."""
     table = [
-        row("volume", "InputLayer", [], 1, 1),
-        row("down0_conv1", "Conv3D", ["volume"], 1, 2, (3, 3, 3), 56),
-        row("down0_conv2", "Conv3D", ["down0_conv1"], 1, 2, (3, 3, 3), 110),
-        row("pool0", "MaxPooling3D", ["down0_conv2"], 2, 2),
-        row("bottom_conv1", "Conv3D", ["pool0"], 2, 4, (3, 3, 3), 220),
-        row("bottom_conv2", "Conv3D", ["bottom_conv1"], 2, 4, (3, 3, 3), 436),
+        layer_row("volume", "InputLayer", [], 1, 1),
+        layer_row("down0_conv1", "Conv3D", ["volume"], 1, 2, (3, 3, 3), 56),
+        layer_row("down0_conv2", "Conv3D", ["down0_conv1"], 1, 2, (3, 3, 3), 110),
+        layer_row("pool0", "MaxPooling3D", ["down0_conv2"], 2, 2),
+        layer_row("bottom_conv1", "Conv3D", ["pool0"], 2, 4, (3, 3, 3), 220),
+        layer_row("bottom_conv2", "Conv3D", ["bottom_conv1"], 2, 4, (3, 3, 3), 436),
     ]
     if folded:
-        table.append(row("up0_conv1", "FoldedUpConv", ["bottom_conv2", "down0_conv2"], 1, 2, (), 284))
+        table.append(layer_row("up0_conv1", "FoldedUpConv", ["bottom_conv2", "down0_conv2"], 1, 2, (), 284))
     else:
         table += [
-            row("up0_transpose", "Conv3DTranspose", ["bottom_conv2"], 1, 2, (2, 2, 2), 66),
-            row("up0_concat", "Concatenate", ["up0_transpose", "down0_conv2"], 1, 4),
-            row("up0_conv1", "Conv3D", ["up0_concat"], 1, 2, (3, 3, 3), 218),
+            layer_row("up0_transpose", "Conv3DTranspose", ["bottom_conv2"], 1, 2, (2, 2, 2), 66),
+            layer_row("up0_concat", "Concatenate", ["up0_transpose", "down0_conv2"], 1, 4),
+            layer_row("up0_conv1", "Conv3D", ["up0_concat"], 1, 2, (3, 3, 3), 218),
         ]
     table += [
-        row("up0_conv2", "Conv3D", ["up0_conv1"], 1, 2, (3, 3, 3), 110),
-        row("segmentation", "Conv3D", ["up0_conv2"], 1, 1, (1, 1, 1), 3),
+        layer_row("up0_conv2", "Conv3D", ["up0_conv1"], 1, 2, (3, 3, 3), 110),
+        layer_row("segmentation", "Conv3D", ["up0_conv2"], 1, 1, (1, 1, 1), 3),
     ]
     return table
 

@@ -23,30 +23,16 @@ from bigmem_train.memory.inference import (
     quantization_peak_bytes,
     tile_starts,
 )
-
-
-def _row(name, inputs, divisor, channels, params=0, dtype="float32", kind="Conv3D"):
-    return {
-        "name": name,
-        "kind": kind,
-        "inputs": list(inputs),
-        "divisor": [divisor] * 3,
-        "channels": channels,
-        "dtype": dtype,
-        "kernel_dtype": "float32",
-        "trainable_params": params,
-        "non_trainable_params": 0,
-    }
-
+from tests.fixtures.layer_records import layer_row
 
 # A two-level U-Net in miniature: `a` is read by the pooling and, later, by the skip's concatenation.
 SKIP_TABLE = [
-    _row("in", [], 1, 1, kind="InputLayer"),
-    _row("a", ["in"], 1, 2, params=56),  # 3x3x3x1x2 kernel + 2 biases
-    _row("b", ["a"], 2, 2, kind="MaxPooling3D"),
-    _row("c", ["b"], 1, 2, kind="UpSampling3D"),
-    _row("d", ["c", "a"], 1, 4, kind="Concatenate"),
-    _row("out", ["d"], 1, 1, params=5),  # 1x1x1x4x1 kernel + 1 bias
+    layer_row("in", "InputLayer", [], 1, 1),
+    layer_row("a", "Conv3D", ["in"], 1, 2, (3, 3, 3), params=56),  # 3x3x3x1x2 kernel + 2 biases
+    layer_row("b", "MaxPooling3D", ["a"], 2, 2),
+    layer_row("c", "UpSampling3D", ["b"], 1, 2),
+    layer_row("d", "Concatenate", ["c", "a"], 1, 4),
+    layer_row("out", "Conv3D", ["d"], 1, 1, (1, 1, 1), params=5),  # 1x1x1x4x1 kernel + 1 bias
 ]
 
 
@@ -60,8 +46,8 @@ def test_a_tensor_with_two_readers_stays_alive_until_its_last_reader():
 
 def test_a_bfloat16_output_counts_two_bytes_a_value():
     table = [
-        _row("in", [], 1, 1, kind="InputLayer"),
-        _row("a", ["in"], 1, 2, dtype="bfloat16"),
+        layer_row("in", "InputLayer", [], 1, 1),
+        layer_row("a", "Conv3D", ["in"], 1, 2, dtype="bfloat16"),
     ]
     # in 64 x 4 = 256 B beside a: 64 x 2 channels x 2 B = 256 B.
     assert forward_live_bytes(table, (4, 4, 4), batch_norm=False) == 512
@@ -69,8 +55,8 @@ def test_a_bfloat16_output_counts_two_bytes_a_value():
 
 def test_an_edge_the_levels_do_not_divide_is_floored_at_each_level():
     # 18 // 4 = 4 on each axis: 64 positions x 3 channels (a true division would give 4.5**3 x 3).
-    assert _elements(_row("x", [], 4, 3), (18, 18, 18)) == 192
-    assert _elements(_row("x", [], 1, 3), (18, 17, 5)) == 18 * 17 * 5 * 3
+    assert _elements(layer_row("x", "Conv3D", [], 4, 3), (18, 18, 18)) == 192
+    assert _elements(layer_row("x", "Conv3D", [], 1, 3), (18, 17, 5)) == 18 * 17 * 5 * 3
 
 
 def test_the_quantization_peak_adds_the_crops_a_forward_pass_and_two_copies_of_the_weights():
