@@ -44,6 +44,23 @@ def dice(first: np.ndarray, second: np.ndarray) -> float:
     return 2 * np.count_nonzero(first & second) / (np.count_nonzero(first) + np.count_nonzero(second))
 
 
+def small_job():
+    """The config and recorded layer table the blending tests plan with (depth 2: edges in steps of 4)."""
+    config = load_config(None, {"model.depth": 2, "model.base_filters": 4, "data.channels": [0]})
+    return config, recorded_layer_table("unet_depth3_filters8_float32")
+
+
+def smooth_image(shape, seed):
+    """A smooth normalized one-channel image (X, Y, Z, 1): structures several voxels wide."""
+    smooth = ndimage.gaussian_filter(np.random.default_rng(seed).standard_normal(shape), 1.5)
+    return (smooth / smooth.std()).astype(np.float32)[..., None]
+
+
+def box_answer(image):
+    """box_sigmoid's answer on the whole image, computed here with scipy."""
+    return 1 / (1 + np.exp(-BOX_STEEPNESS * ndimage.uniform_filter(image[..., 0], BOX_EDGE, mode="constant")))
+
+
 def test_the_tile_weight_is_a_gaussian_with_sigma_an_eighth_of_the_tile():
     # exp(-((i - centre)**2 - (nearest offset)**2) / (2 sigma**2)) worked by hand per axis: the exponents
     # for edge 8 (sigma 1, centre 3.5), edge 16 (sigma 2, centre 7.5) and edge 4 (sigma 0.5, centre 1.5).
@@ -60,15 +77,10 @@ def test_the_tile_weight_is_a_gaussian_with_sigma_an_eighth_of_the_tile():
 
 @pytest.mark.parametrize("tta", [False, True])
 def test_tiles_of_a_network_with_context_blend_close_to_the_whole_volumes_answer(tta):
-    config = load_config(None, {"model.depth": 2, "model.base_filters": 4, "data.channels": [0]})
-    table = recorded_layer_table("unet_depth3_filters8_float32")
+    config, table = small_job()
     shape = (38, 35, 27)  # padded to 40x36x28: the padding is zeros, as the box's outside is
-    noise = np.random.default_rng(0).standard_normal(shape)
-    smooth = ndimage.gaussian_filter(noise, 1.5)
-    image = (smooth / smooth.std()).astype(np.float32)[..., None]
-    expected = 1 / (
-        1 + np.exp(-BOX_STEEPNESS * ndimage.uniform_filter(image[..., 0], BOX_EDGE, mode="constant"))
-    )
+    image = smooth_image(shape, 0)
+    expected = box_answer(image)
     whole = plan_volume(config, table, shape, 1, None)
     tiled = plan_volume(config, table, shape, 1, None, window=(16, 16, 16))
     assert whole.mode == "whole" and tiled.mode == "tiles" and tiled.tiles == 48
@@ -172,15 +184,10 @@ def test_a_tile_weight_that_underflows_is_raised_to_the_smallest_nonzero_weight(
 
 @pytest.mark.parametrize("window", [(16, 16, 16), (24, 12, 16)])
 def test_tiles_of_unequal_edges_blend_as_cubic_ones_do(window):
-    config = load_config(None, {"model.depth": 2, "model.base_filters": 4, "data.channels": [0]})
-    table = recorded_layer_table("unet_depth3_filters8_float32")
+    config, table = small_job()
     shape = (38, 35, 27)
-    noise = np.random.default_rng(1).standard_normal(shape)
-    smooth = ndimage.gaussian_filter(noise, 1.5)
-    image = (smooth / smooth.std()).astype(np.float32)[..., None]
-    expected = 1 / (
-        1 + np.exp(-BOX_STEEPNESS * ndimage.uniform_filter(image[..., 0], BOX_EDGE, mode="constant"))
-    )
+    image = smooth_image(shape, 1)
+    expected = box_answer(image)
     tiled = plan_volume(config, table, shape, 1, None, window=window)
     assert tiled.mode == "tiles" and tiled.window == window
     blended = predict_probabilities(box_sigmoid, image, tiled, tta=False)[..., 0]
@@ -199,11 +206,9 @@ def looks_one_voxel_ahead(volume):
 
 
 def test_mirroring_averages_the_network_over_its_eight_flips_whole_and_in_tiles():
-    config = load_config(None, {"model.depth": 2, "model.base_filters": 4, "data.channels": [0]})
-    table = recorded_layer_table("unet_depth3_filters8_float32")
+    config, table = small_job()
     shape = (38, 35, 27)
-    smooth = ndimage.gaussian_filter(np.random.default_rng(2).standard_normal(shape), 1.5)
-    image = (smooth / smooth.std()).astype(np.float32)[..., None]
+    image = smooth_image(shape, 2)
     padded = np.pad(image[..., 0], ((1, 1), (0, 0), (0, 0)))  # zeros on both sides along the first axis
 
     def sigmoid(values):
